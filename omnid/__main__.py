@@ -1,0 +1,5 @@
+import sys
+
+from omnid.cli import main
+
+sys.exit(main())

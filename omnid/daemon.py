@@ -1,0 +1,388 @@
+"""`omnid daemon`: wires spawner, supervisor, control socket, health HTTP and the
+notify socket together on one asyncio loop (DESIGN.md Part 1, "Processes").
+
+Order matters: the spawner is started by exec before the first ZeroMQ socket
+exists (from then on the daemon has native threads and never forks). Signal
+handlers only hand the signal to the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import secrets
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from omnid import linux, logconfig
+from omnid.control import ControlError, ControlServer, prepare_socket_dir
+from omnid.health import HealthServer
+from omnid.notify import NotifyServer
+from omnid.spawnclient import SpawnerClient, SpawnerGone
+from omnid.statefile import StateFile, find_leftovers, kill_leftovers
+from omnid.supervisor import StopRecord, Supervisor, UnitNotFound
+from omnid.units import Stack, StackInvalid, check_stack, load_stack
+
+log = structlog.get_logger("omnid.daemon")
+
+DEFAULT_HEALTH = "127.0.0.1:9321"
+
+
+def default_control() -> str:
+    if os.getuid() == 0:
+        return "/run/omnid/control.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return os.path.join(runtime, "omnid", "control.sock")
+    return f"/tmp/omnid-{os.getuid()}/control.sock"
+
+
+def default_state_dir() -> str:
+    if os.getuid() == 0:
+        return "/var/lib/omnid"
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "omnid")
+
+
+def default_units_dir() -> str:
+    """The built-in reference stack: units/demo of the checkout, or the copy shipped in the package."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "units" / "demo", here / "demo" / "units"):
+        if candidate.is_dir():
+            return str(candidate)
+    return str(here.parent / "units" / "demo")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    units_dir: str
+    control: str
+    state_dir: str
+    health_listen: str
+    log_format: str
+
+
+def resolve_config(units_dir: str | None, control: str | None, state_dir: str | None,
+                   health_listen: str | None, log_format: str | None, stack: Stack | None) -> DaemonConfig:
+    """Flags > environment > omnid.toml > defaults."""
+    st = stack.settings if stack is not None else None
+    return DaemonConfig(
+        units_dir=os.path.abspath(units_dir or default_units_dir()),
+        control=os.path.abspath(control or os.environ.get("OMNID_CONTROL")
+                                or (str(st.control) if st and st.control else None) or default_control()),
+        state_dir=os.path.abspath(state_dir or os.environ.get("OMNID_STATE_DIR")
+                                  or (str(st.state_dir) if st and st.state_dir else None) or default_state_dir()),
+        health_listen=health_listen or os.environ.get("OMNID_HEALTH_LISTEN")
+        or (st.health_listen if st and st.health_listen else None) or DEFAULT_HEALTH,
+        log_format=log_format or os.environ.get("OMNID_LOG_FORMAT")
+        or (str(st.log_format) if st and st.log_format else None) or "console",
+    )
+
+
+class Daemon:
+    def __init__(self, cfg: DaemonConfig, stack: Stack) -> None:
+        self.cfg = cfg
+        self.stack = stack
+        self.token = secrets.token_hex(8)
+        self.state = StateFile(Path(cfg.state_dir))
+        self.spawner = SpawnerClient(on_exit=self._on_exit, on_gone=self._on_spawner_gone)
+        self.sup: Supervisor | None = None
+        self.control: ControlServer | None = None
+        self.health: HealthServer | None = None
+        self.notify: NotifyServer | None = None
+        self.shutdown_requested: asyncio.Event | None = None
+        self.shutdown_result: asyncio.Future | None = None
+        self.exit_code = 0
+        self._state_write: asyncio.TimerHandle | None = None
+        self.gpu = None
+
+    # -- callbacks --------------------------------------------------------------
+    def _on_exit(self, rep) -> None:
+        if self.sup is not None:
+            self.sup.on_exit_report(rep)
+
+    def _on_spawner_gone(self) -> None:
+        log.error("the spawner died; every unit died with it (PDEATHSIG); stopping the daemon")
+        if self.sup is not None:
+            self.sup.on_spawner_gone()
+        self.exit_code = 1
+        if self.shutdown_requested is not None:
+            self.shutdown_requested.set()
+
+    def _schedule_state_write(self) -> None:
+        # Coalesce: 256 spawns in a burst write the file a few times, not 256.
+        if self._state_write is None:
+            self._state_write = asyncio.get_running_loop().call_later(0.02, self._write_state)
+
+    def _write_state(self) -> None:
+        self._state_write = None
+        assert self.sup is not None
+        procs = {u.name: {"pid": u.proc.pid, "start_time": u.proc.start_time, "pgid": u.proc.pgid}
+                 for u in self.sup.units.values() if u.proc is not None}
+        try:
+            self.state.write({
+                "token": self.token,
+                "daemon": {"pid": os.getpid(), "start_time": linux.start_time_of(os.getpid())},
+                "spawner": {"pid": self.spawner.pid, "start_time": self.spawner.start_time},
+                "units_dir": self.cfg.units_dir,
+                "processes": procs,
+                "written": time.time(),
+            })
+        except OSError as exc:
+            log.error("cannot write the state file", path=str(self.state.path), error=str(exc))
+
+    # -- control handlers (dispatch by name: handle_<cmd>) ---------------------------
+    def _units_arg(self, args: dict) -> list[str] | None:
+        units = args.get("units")
+        if units is None:
+            return None
+        if not isinstance(units, list) or not all(isinstance(x, str) and x for x in units):
+            raise ControlError("bad_request", "\"units\" must be a list of unit names")
+        return units or None
+
+    def _timeout_arg(self, args: dict) -> float | None:
+        t = args.get("timeout")
+        if t is None:
+            return None
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
+            raise ControlError("bad_request", f"\"timeout\" must be a positive number of seconds, got {t!r}")
+        return float(t)
+
+    def _known(self, names: list[str] | None) -> None:
+        assert self.sup is not None
+        if names:
+            try:
+                self.sup.expand(names)
+            except UnitNotFound as exc:
+                raise ControlError("unknown_unit", f"no unit named {exc.args[0]!r} in {self.cfg.units_dir}; "
+                                                   f"units: {', '.join(self.sup.order)}") from None
+
+    async def handle_status(self, args: dict) -> dict:
+        assert self.sup is not None
+        names = self._units_arg(args)
+        self._known(names)
+        wanted = set(self.sup.expand(names)) if names else None
+        units = [s for s in self.sup.snapshot() if wanted is None or s["name"] in wanted]
+        out: dict = {"units": units, "daemon": {"pid": os.getpid(), "spawner_pid": self.spawner.pid,
+                                               "units_dir": self.cfg.units_dir, "since": self.sup.started_at,
+                                               "shutting_down": self.sup.shutting_down}}
+        if args.get("verify"):
+            problems = self.sup.verify()
+            if problems:
+                # The kernel may be a few ms ahead of the loop (a death not yet processed): look again.
+                await asyncio.sleep(0.1)
+                problems = self.sup.verify()
+            out["verify"] = {"ok": not problems, "problems": problems,
+                             "invariant_violations": list(self.sup.invariant_violations)}
+        return out
+
+    async def handle_start(self, args: dict) -> dict:
+        assert self.sup is not None
+        if self.sup.shutting_down:
+            raise ControlError("shutting_down", "the daemon is stopping; start it again afterwards")
+        names = self._units_arg(args)
+        self._known(names)
+        units = await self.sup.start_units(names, self._timeout_arg(args))
+        ok = all(u["state"] == "active" for u in units)
+        return {"ok": ok, "units": units}
+
+    async def handle_stop(self, args: dict) -> dict:
+        assert self.sup is not None
+        names = self._units_arg(args)
+        if names is None:
+            raise ControlError("bad_request", "stop needs \"units\"; to stop the whole stack use \"shutdown\"")
+        self._known(names)
+        recs = await self.sup.stop_units(names, self._timeout_arg(args))
+        return {"summary": [r.to_json() for r in recs], "units": self.sup.snapshot()}
+
+    async def handle_restart(self, args: dict) -> dict:
+        assert self.sup is not None
+        names = self._units_arg(args)
+        if names is None:
+            raise ControlError("bad_request", "restart needs \"units\"")
+        self._known(names)
+        units = await self.sup.restart_units(names, self._timeout_arg(args))
+        return {"ok": all(u["state"] == "active" for u in units), "units": units}
+
+    async def handle_kill(self, args: dict) -> dict:
+        assert self.sup is not None
+        unit = args.get("unit")
+        if not isinstance(unit, str) or not unit:
+            raise ControlError("bad_request", "kill needs \"unit\": a unit name")
+        self._known([unit])
+        from omnid.units import _signal  # one parser for signal names, shared with unit files
+
+        try:
+            sig = int(_signal(args.get("signal", "SIGTERM")))
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's error
+            raise ControlError("bad_request", f"bad \"signal\": {exc}") from None
+        hit = self.sup.kill_unit(unit, sig)
+        if not hit:
+            raise ControlError("not_running", f"unit {unit!r} has no running process to signal")
+        return {"signalled": hit, "signal": linux.signal_name(sig)}
+
+    async def handle_logs(self, args: dict) -> dict:
+        assert self.sup is not None
+        unit = args.get("unit")
+        if not isinstance(unit, str) or not unit:
+            raise ControlError("bad_request", "logs needs \"unit\": a unit name")
+        self._known([unit])
+        n = args.get("n", 50)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ControlError("bad_request", f"\"n\" must be a non-negative integer, got {n!r}")
+        return {name: self.sup.units[name].output.tail(n) for name in self.sup.expand([unit])}  # type: ignore[union-attr]
+
+    async def handle_shutdown(self, args: dict) -> dict:
+        assert self.shutdown_requested is not None and self.shutdown_result is not None
+        self.shutdown_requested.set()
+        recs: list[StopRecord] = await asyncio.shield(self.shutdown_result)
+        return {"summary": [r.to_json() for r in recs]}
+
+    async def handle_check(self, args: dict) -> dict:
+        directory = args.get("units_dir") or self.cfg.units_dir
+        if not isinstance(directory, str):
+            raise ControlError("bad_request", "\"units_dir\" must be a path")
+        errors = check_stack(directory)
+        return {"ok": not errors, "units_dir": directory, "errors": [str(e) for e in errors]}
+
+    # -- life ---------------------------------------------------------------------
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        self.shutdown_requested = asyncio.Event()
+        self.shutdown_result = loop.create_future()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        await self.spawner.attach()
+        self.notify = NotifyServer(self.token, self._on_notify)
+        self.notify.start()
+        from omnid import gpu as gpu_mod
+
+        self.gpu = gpu_mod.open_backend()
+        if not self.gpu.available:
+            log.info("GPU checks off", reason=self.gpu.reason)
+        ctx = zmq.asyncio.Context()
+        self.sup = Supervisor(self.stack, self.spawner, token=self.token, notify_socket=self.notify.address,
+                              publish=lambda ev: self.control.publish(ev) if self.control else None,
+                              on_pids_changed=self._schedule_state_write,
+                              check_invariants=os.environ.get("OMNID_CHECK_INVARIANTS") == "1",
+                              gpu=self.gpu)
+        handlers = {name[len("handle_"):]: getattr(self, name) for name in dir(self) if name.startswith("handle_")}
+        self.control = ControlServer(ctx, self.cfg.control, handlers)
+        self.control.bind()
+        self.control.start()
+        self.health = HealthServer(self.sup, self.cfg.health_listen)
+        try:
+            await self.health.start()
+        except OSError as exc:
+            log.error("health API cannot listen", listen=self.cfg.health_listen, error=str(exc))
+            self.exit_code = 1
+            self.shutdown_requested.set()
+        self._write_state()
+        log.info("daemon ready", units_dir=self.cfg.units_dir, control=self.cfg.control,
+                 health=self.cfg.health_listen, units=len(self.sup.units), spawner_pid=self.spawner.pid)
+        if not self.shutdown_requested.is_set():
+            self.sup._kick()
+        await self.shutdown_requested.wait()
+        log.info("stopping the stack")
+        t0 = time.monotonic()
+        recs = await self.sup.shutdown()
+        self.shutdown_result.set_result(recs)
+        left = [p for p in linux.scan() if p.ppid == self.spawner.pid and p.state not in ("Z", "X")]
+        if left:
+            log.error("processes left under the spawner after stop", pids=[p.pid for p in left])
+        log.info("stack stopped", seconds=round(time.monotonic() - t0, 3), units=len(recs),
+                 residue=sum(len(r.residue) for r in recs), unkillable=sum(len(r.unkillable) for r in recs))
+        if any(r.unkillable for r in recs):
+            self.exit_code = 1
+        # Let the `shutdown` reply go out before the sockets close.
+        deadline = time.monotonic() + 2.0
+        while self.control._tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await self.health.close()
+        await self.control.close()
+        ctx.term()
+        self.notify.close()
+        await self.spawner.shutdown()
+        self.state.remove()
+        return self.exit_code
+
+    def _on_signal(self, sig: int) -> None:
+        assert self.shutdown_requested is not None
+        if self.shutdown_requested.is_set():
+            log.warning("already stopping", signal=linux.signal_name(sig))
+            return
+        log.info("signal received: stopping the stack in order", signal=linux.signal_name(sig))
+        self.shutdown_requested.set()
+
+    def _on_notify(self, pid: int, fields: dict[str, str]) -> None:
+        if self.sup is not None:
+            self.sup.on_notify(pid, fields)
+
+
+def run(units_dir: str | None, control: str | None, state_dir: str | None, health_listen: str | None,
+        log_format: str | None) -> int:
+    """The `omnid daemon` command. Returns the process exit code."""
+    udir = os.path.abspath(units_dir or default_units_dir())
+    try:
+        stack = load_stack(udir)
+    except StackInvalid as exc:
+        print(f"omnid: invalid stack in {udir}:", file=sys.stderr)
+        for err in exc.errors:
+            print(f"  {err}", file=sys.stderr)
+        return 2
+    cfg = resolve_config(udir, control, state_dir, health_listen, log_format, stack)
+    logconfig.configure(cfg.log_format)
+    linux.mark_fds_non_inheritable()
+    try:
+        from setproctitle import setproctitle
+
+        setproctitle(f"omnid: daemon {cfg.units_dir}")
+    except ImportError:
+        pass
+    state_dir_path = Path(cfg.state_dir)
+    try:
+        state_dir_path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        lock_fd = os.open(state_dir_path / "daemon.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        print(f"omnid: cannot use state dir {cfg.state_dir}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"omnid: another daemon holds {cfg.state_dir}/daemon.lock", file=sys.stderr)
+        return 1
+    try:
+        prepare_socket_dir(cfg.control)
+    except ControlError as exc:
+        print(f"omnid: {exc.message}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"omnid: cannot create control socket directory for {cfg.control}: {exc}", file=sys.stderr)
+        return 1
+    daemon = Daemon(cfg, stack)
+    previous = daemon.state.read()
+    if previous:
+        leftovers = find_leftovers(previous)
+        if leftovers:
+            log.warning("killing leftovers of a previous daemon", count=len(leftovers),
+                        processes=[lo.describe() for lo in leftovers])
+            alive = kill_leftovers(leftovers)
+            if alive:
+                log.error("leftovers of a previous daemon survived SIGKILL", processes=alive)
+    # Start the spawner by exec while this process has no threads yet.
+    daemon.spawner.launch()
+    try:
+        return asyncio.run(daemon.run())
+    except SpawnerGone as exc:
+        log.error("spawner failed to start", error=str(exc))
+        return 1
+    finally:
+        os.close(lock_fd)

@@ -1,0 +1,160 @@
+"""Linux process primitives: prctl, pidfds, /proc reads (DESIGN.md Part 1, "Tracking").
+
+Everything kernel-specific that the daemon and the spawner share lives here, so
+the rest of omnid speaks of processes, not of syscalls. Stdlib only: the spawner
+imports this and must stay small and thread-free.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+from dataclasses import dataclass
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_libc.prctl.restype = ctypes.c_int
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def prctl(option: int, arg: int) -> None:
+    if _libc.prctl(option, arg, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl({option}, {arg}): {os.strerror(err)}")
+
+
+def set_pdeathsig(sig: int) -> None:
+    prctl(PR_SET_PDEATHSIG, sig)
+
+
+def set_child_subreaper() -> None:
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def pidfd_open(pid: int) -> int:
+    return os.pidfd_open(pid)
+
+
+def pidfd_send_signal(pidfd: int, sig: int) -> bool:
+    """Signal through a pidfd; False when the process has already exited."""
+    try:
+        signal.pidfd_send_signal(pidfd, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def describe_wait_status(status: int) -> tuple[int | None, int | None, str]:
+    """(exit code, signal, human reason) from a waitpid status."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        core = " (core dumped)" if os.WCOREDUMP(status) else ""
+        return None, sig, f"killed by {signal_name(sig)}{core}"
+    if os.WIFEXITED(status):
+        code = os.WEXITSTATUS(status)
+        return code, None, f"exited with code {code}"
+    return None, None, f"unknown wait status {status:#x}"
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of /proc/PID/stat that supervision needs."""
+
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    pgid: int
+    sid: int
+    start_time: int  # clock ticks since boot; with pid it names a process uniquely
+
+
+def read_stat(pid: int) -> ProcStat | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # comm may contain spaces and parentheses: split on the last ')'.
+    lpar = raw.index(b"(")
+    rpar = raw.rindex(b")")
+    comm = raw[lpar + 1 : rpar].decode(errors="replace")
+    fields = raw[rpar + 2 :].split()
+    return ProcStat(
+        pid=pid,
+        comm=comm,
+        state=fields[0].decode(),
+        ppid=int(fields[1]),
+        pgid=int(fields[2]),
+        sid=int(fields[3]),
+        start_time=int(fields[19]),
+    )
+
+
+def start_time_of(pid: int) -> int | None:
+    st = read_stat(pid)
+    return st.start_time if st else None
+
+
+def all_pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def scan() -> list[ProcStat]:
+    """Every process on the host, one /proc pass."""
+    out = []
+    for pid in all_pids():
+        st = read_stat(pid)
+        if st is not None:
+            out.append(st)
+    return out
+
+
+def read_environ_var(pid: int, name: str) -> str | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    prefix = name.encode() + b"="
+    for item in data.split(b"\0"):
+        if item.startswith(prefix):
+            return item[len(prefix) :].decode(errors="replace")
+    return None
+
+
+def wchan(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            return f.read().strip() or "0"
+    except OSError:
+        return "?"
+
+
+def thread_count(pid: int | str = "self") -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def mark_fds_non_inheritable(keep: tuple[int, ...] = (0, 1, 2)) -> None:
+    """A daemon started from a shell may inherit fds: never pass them to units."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd in keep:
+            continue
+        try:
+            os.set_inheritable(fd, False)
+        except OSError:
+            pass  # the fd of the listdir itself, already closed

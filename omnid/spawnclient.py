@@ -1,0 +1,249 @@
+"""The daemon's side of the spawner protocol (see omnid/spawner.py).
+
+Starts the spawner by posix_spawn (vfork + exec: safe from a threaded process,
+never a fork of the daemon), then turns its datagrams into awaitable spawn
+results and exit reports on the daemon's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from omnid import linux
+
+log = structlog.get_logger("omnid.spawner")
+
+MAX_MESSAGE = 1 << 20
+
+
+@dataclass(frozen=True)
+class SpawnRequest:
+    unit: str
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    cwd: str | None = None
+    user: str | None = None
+    group: str | None = None
+    rlimits: tuple[tuple[int, int, int], ...] = ()
+    cgroup: str | None = None
+
+
+@dataclass(frozen=True)
+class Spawned:
+    pid: int
+    pidfd: int
+    start_time: int
+
+
+class SpawnError(Exception):
+    """The child could not be started; the message says which step and why."""
+
+
+@dataclass(frozen=True)
+class ExitReport:
+    pid: int
+    status: int
+    adopted: bool
+
+
+class SpawnerGone(Exception):
+    pass
+
+
+class SpawnerClient:
+    """One running spawner process and the socket to it."""
+
+    def __init__(self, on_exit: Callable[[ExitReport], None], on_gone: Callable[[], None]) -> None:
+        self._on_exit = on_exit
+        self._on_gone = on_gone
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self.sock: socket.socket | None = None
+        self.pid = 0
+        self.pidfd = -1
+        self.start_time = 0
+        self._hello: asyncio.Future | None = None
+        self._closed = False
+
+    def launch(self) -> None:
+        """Start the spawner by exec. Callable before the event loop runs."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for s in (ours, theirs):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        theirs.set_inheritable(True)
+        env = dict(os.environ)
+        env.pop("NOTIFY_SOCKET", None)
+        argv = [sys.executable, "-m", "omnid.spawner", str(theirs.fileno()), str(os.getpid())]
+        # Its own session: a SIGTERM or Ctrl+C to the daemon's process group must reach
+        # the daemon only, which then stops the stack in order.
+        self.pid = os.posix_spawn(sys.executable, argv, env, setsid=True)
+        self.pidfd = linux.pidfd_open(self.pid)
+        self.start_time = linux.start_time_of(self.pid) or 0
+        theirs.close()
+        ours.setblocking(False)
+        self.sock = ours
+
+    async def attach(self, timeout: float = 10.0) -> None:
+        loop = asyncio.get_running_loop()
+        self._hello = loop.create_future()
+        assert self.sock is not None
+        loop.add_reader(self.sock.fileno(), self._readable)
+        loop.add_reader(self.pidfd, self._spawner_died)
+        try:
+            await asyncio.wait_for(self._hello, timeout)
+        except asyncio.TimeoutError as exc:
+            raise SpawnerGone(f"spawner (pid {self.pid}) did not answer within {timeout:.0f} s") from exc
+
+    def _spawner_died(self) -> None:
+        if self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self.pidfd)
+        # Read what it still had to say (exit reports) before declaring it gone.
+        self._readable()
+        self._fail_pending(f"spawner (pid {self.pid}) died")
+        self._closed = True
+        if self.sock is not None:
+            loop.remove_reader(self.sock.fileno())
+        self._on_gone()
+
+    def _fail_pending(self, why: str) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(SpawnError(why))
+        self._pending.clear()
+
+    def _readable(self) -> None:
+        assert self.sock is not None
+        while True:
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, 4)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                log.error("spawner socket error", error=str(exc))
+                return
+            if not data:
+                return
+            try:
+                msg = json.loads(data)
+            except ValueError:
+                log.error("spawner sent a malformed message", data=data[:200])
+                for fd in fds:
+                    os.close(fd)
+                continue
+            self._dispatch(msg, fds)
+
+    def _dispatch(self, msg: dict, fds: list[int]) -> None:
+        op = msg.get("op")
+        if op == "exit":
+            self._on_exit(ExitReport(msg["pid"], msg["status"], msg["adopted"]))
+        elif op in ("spawned", "spawn_failed"):
+            fut = self._pending.pop(msg["id"], None)
+            if op == "spawned":
+                if fut is None or fut.done():
+                    for fd in fds:
+                        os.close(fd)
+                    return
+                fut.set_result(Spawned(msg["pid"], fds[0], msg["start_time"]))
+                for fd in fds[1:]:
+                    os.close(fd)
+            elif fut is not None and not fut.done():
+                fut.set_exception(SpawnError(msg["error"]))
+        elif op == "hello":
+            if self._hello is not None and not self._hello.done():
+                self._hello.set_result(msg["pid"])
+        else:
+            log.error("spawner sent an unknown message", op=op)
+            for fd in fds:
+                os.close(fd)
+
+    async def spawn(self, req: SpawnRequest, out_w: int) -> Spawned:
+        """Spawn one unit process; out_w becomes its stdout and stderr."""
+        if self._closed or self.sock is None:
+            raise SpawnError("spawner is not running")
+        rid = next(self._ids)
+        msg = {
+            "op": "spawn",
+            "id": rid,
+            "unit": req.unit,
+            "argv": list(req.argv),
+            "env": req.env,
+            "cwd": req.cwd,
+            "user": req.user,
+            "group": req.group,
+            "rlimits": [list(r) for r in req.rlimits],
+            "cgroup": req.cgroup,
+        }
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        data = json.dumps(msg).encode()
+        if len(data) > MAX_MESSAGE // 2:
+            self._pending.pop(rid, None)
+            raise SpawnError(f"spawn request too large ({len(data)} bytes): environment or argv too big")
+        try:
+            socket.send_fds(self.sock, [data], [out_w])
+        except BlockingIOError:
+            # Socket buffer full: wait until writable, then retry once.
+            await self._wait_writable()
+            socket.send_fds(self.sock, [data], [out_w])
+        return await fut
+
+    async def _wait_writable(self) -> None:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        assert self.sock is not None
+        fd = self.sock.fileno()
+        loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+        try:
+            await fut
+        finally:
+            loop.remove_writer(fd)
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Ask the spawner to exit, wait for it, reap it (it is our only child)."""
+        if self.sock is None:
+            return
+        loop = asyncio.get_running_loop()
+        if not self._closed:
+            self._closed = True
+            try:
+                self.sock.send(json.dumps({"op": "shutdown"}).encode())
+            except OSError:
+                pass
+            loop.remove_reader(self.sock.fileno())
+            loop.remove_reader(self.pidfd)
+        exited = loop.create_future()
+        loop.add_reader(self.pidfd, lambda: exited.done() or exited.set_result(None))
+        try:
+            await asyncio.wait_for(exited, timeout)
+        except asyncio.TimeoutError:
+            log.warning("spawner did not exit; killing it", pid=self.pid)
+            linux.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            await asyncio.wait_for(exited, timeout)
+        finally:
+            loop.remove_reader(self.pidfd)
+        self.reap()
+
+    def reap(self) -> None:
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None

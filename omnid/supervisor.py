@@ -1,0 +1,887 @@
+"""The supervisor: units' state machine, the converge loop, start, stop, failure
+and restart (DESIGN.md Part 1: "Unit state machine", "Stopping a stack",
+"Failure detection and propagation").
+
+Shape (after runit and s6): every unit has a `state` (kernel truth) and a `goal`
+(operator intent). `_converge` is the only place that decides what to do next;
+it runs after every event and launches at most one *op* per unit (start, stop,
+fail). `_transition` is the only place where a state changes. A readable pidfd
+is the death event: there is no polling loop for liveness of processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import structlog
+
+from omnid import linux
+from omnid.output import UnitOutput
+from omnid.probes import ProbeFailed, http_probe, tcp_probe
+from omnid.process import DAEMON_TAG, UNIT_TAG, ProcessHandle, Survivor, find_residue, kill_survivors
+from omnid.spawnclient import ExitReport, SpawnError, SpawnerClient, SpawnRequest
+from omnid.states import RUNNING, Goal, UnitState, check_transition
+from omnid.units import Stack
+from omnid.units import Unit as UnitSpec
+
+log = structlog.get_logger("omnid.supervisor")
+S = UnitState
+
+RUNNER = str(Path(__file__).with_name("runner.py"))
+_PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
+GROUP_POLL_S = 0.005
+
+
+class UnitNotFound(KeyError):
+    pass
+
+
+@dataclass
+class StopRecord:
+    """What `omnid stop` prints for one unit."""
+
+    unit: str
+    signal: str
+    seconds: float | None  # signal -> main process and group gone
+    escalated: bool
+    residue: list[str] = field(default_factory=list)  # killed leftovers (orphans)
+    unkillable: list[str] = field(default_factory=list)  # survived SIGKILL + kill_timeout
+    gpu_release_ms: float | None = None
+    was: str = ""  # state before the stop
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Unit:
+    spec: UnitSpec
+    state: UnitState = S.INACTIVE
+    goal: Goal = Goal.ACTIVE
+    reason: str = ""
+    since: float = field(default_factory=time.time)
+    proc: ProcessHandle | None = None
+    last_pgid: int = 0
+    ready: bool = False
+    restarts: int = 0
+    start_times: collections.deque = field(default_factory=collections.deque)
+    consecutive_failures: int = 0
+    restart_at: float = 0.0  # monotonic; no automatic start before
+    restart_pending: bool = False
+    gave_up: bool = False
+    last_exit: str = ""
+    last_exit_code: int | None = None
+    last_signal: int | None = None
+    active_since: float = 0.0  # monotonic
+    op: asyncio.Task | None = None
+    op_kind: str = ""
+    output: UnitOutput | None = None
+    ready_event: asyncio.Event = field(default_factory=asyncio.Event)
+    status_text: str = ""
+    stopping_notified: bool = False
+    watchdog_timer: asyncio.TimerHandle | None = None
+    watchdog_last: float = 0.0
+    monitor: asyncio.Task | None = None
+    last_stop: StopRecord | None = None
+    death_detect_ms: float | None = None  # pidfd wake-up -> state change, last death
+    deaths: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def snapshot(self) -> dict:
+        p = self.proc
+        return {
+            "name": self.name,
+            "role": self.spec.role,
+            "description": self.spec.description,
+            "state": self.state.value,
+            "goal": self.goal.value,
+            "pid": p.pid if p else None,
+            "pgid": p.pgid if p else None,
+            "restarts": self.restarts,
+            "since": self.since,
+            "reason": self.reason,
+            "ready": self.ready,
+            "status_text": self.status_text,
+            "last_exit": self.last_exit,
+            "last_exit_code": self.last_exit_code,
+            "last_signal": linux.signal_name(self.last_signal) if self.last_signal else None,
+            "gave_up": self.gave_up,
+            "instance": self.spec.instance,
+            "gpus": list(self.spec.gpus),
+        }
+
+
+def _group_alive(pgid: int) -> bool:
+    if pgid <= 1:
+        return False
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+class Supervisor:
+    def __init__(
+        self,
+        stack: Stack,
+        spawner: SpawnerClient,
+        *,
+        token: str,
+        notify_socket: str | None = None,
+        publish: Callable[[dict], None] | None = None,
+        on_pids_changed: Callable[[], None] | None = None,
+        check_invariants: bool = False,
+        gpu: object | None = None,
+        echo_output: bool = True,
+    ) -> None:
+        self.stack = stack
+        self.spawner = spawner
+        self.token = token
+        self.notify_socket = notify_socket
+        self.publish = publish or (lambda ev: None)
+        self.on_pids_changed = on_pids_changed or (lambda: None)
+        self.check_invariants = check_invariants
+        self.gpu = gpu
+        self.order: list[str] = [u.name for tier in stack.tiers() for u in tier]  # start order
+        self.units: dict[str, Unit] = {}
+        for name, spec in stack.units.items():
+            u = Unit(spec=spec)
+            u.output = UnitOutput(name, echo=echo_output)
+            self.units[name] = u
+        self._dependents_after: dict[str, list[str]] = {n: [] for n in self.order}
+        for name, spec in stack.units.items():
+            for dep in spec.dependencies:
+                self._dependents_after[dep].append(name)
+        self._by_pid: dict[int, tuple[Unit, ProcessHandle]] = {}
+        self._early_exits: dict[int, ExitReport] = {}
+        self._converge_pending = False
+        self._changed = asyncio.Condition()
+        self._change_seq = 0
+        self.invariant_violations: list[str] = []
+        self.shutting_down = False
+        self.started_at = time.time()
+        self.death_latencies_ms: collections.deque = collections.deque(maxlen=1000)
+
+    # ------------------------------------------------------------------ lookup
+    def get(self, name: str) -> Unit:
+        try:
+            return self.units[name]
+        except KeyError:
+            raise UnitNotFound(name) from None
+
+    def expand(self, names: Iterable[str]) -> list[str]:
+        """Unit names as the operator typed them: templates mean all instances."""
+        out: list[str] = []
+        for n in names:
+            if n in self.units:
+                out.append(n)
+                continue
+            inst = [u for u in self.order if self.units[u].spec.template == n]
+            if not inst:
+                raise UnitNotFound(n)
+            out.extend(inst)
+        return list(dict.fromkeys(out))
+
+    # -------------------------------------------------------------- transition
+    def _transition(self, u: Unit, to: UnitState, reason: str) -> None:
+        """The only place where a unit's state changes."""
+        frm = u.state
+        check_transition(u.name, frm, to)
+        u.state = to
+        u.reason = reason
+        u.since = time.time()
+        if to is not S.ACTIVE:
+            u.ready = False
+            self._stop_monitors(u)
+        pid = u.proc.pid if u.proc else None
+        if to in (S.INACTIVE, S.FAILED):
+            self._release(u)
+        log.info("unit state", unit=u.name, **{"from": frm.value, "to": to.value}, reason=reason, pid=pid)
+        self.publish({"ts": time.time(), "unit": u.name, "pid": pid, "from": frm.value, "to": to.value,
+                      "reason": reason})
+        if self.check_invariants:
+            for problem in self.verify_unit(u, settled=True):
+                self.invariant_violations.append(problem)
+                log.error("invariant violated", unit=u.name, problem=problem)
+        self._notify_changed()
+        self._kick()
+
+    def _notify_changed(self) -> None:
+        self._change_seq += 1
+
+        async def wake() -> None:
+            async with self._changed:
+                self._changed.notify_all()
+
+        asyncio.get_running_loop().create_task(wake())
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+        async def waiter() -> None:
+            async with self._changed:
+                await self._changed.wait_for(predicate)
+
+        try:
+            await asyncio.wait_for(waiter(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return predicate()
+
+    def _release(self, u: Unit) -> None:
+        """A unit that is inactive or failed holds no fd for its processes."""
+        h = u.proc
+        if h is not None:
+            h.close()
+            self._by_pid.pop(h.pid, None)
+            u.proc = None
+            self.on_pids_changed()
+        if u.output is not None:
+            u.output.detach()
+
+    # ----------------------------------------------------------------- converge
+    def _kick(self) -> None:
+        if not self._converge_pending:
+            self._converge_pending = True
+            asyncio.get_running_loop().call_soon(self._converge)
+
+    def _down(self, u: Unit, seen: frozenset = frozenset()) -> bool:
+        """Is this unit unavailable to units that require it (not active, or on its way down)?"""
+        if u.state is not S.ACTIVE or u.goal is Goal.INACTIVE:
+            return True
+        if u.name in seen:
+            return False
+        return any(self._down(self.units[r], seen | {u.name}) for r in u.spec.requires)
+
+    def _must_stop(self, u: Unit) -> str | None:
+        """Why a running unit has to stop now, or None."""
+        if u.goal is Goal.INACTIVE:
+            return "stopped by request" if not self.shutting_down else "stack stopping"
+        for r in u.spec.requires:
+            ru = self.units[r]
+            if self._down(ru):
+                what = ru.reason if ru.state in (S.FAILED, S.INACTIVE, S.STOPPING) else ru.state.value
+                return f"stopped: requires {r} ({ru.state.value}: {what})" if what else f"stopped: requires {r} ({ru.state.value})"
+        return None
+
+    def _blocked_by_dependents(self, u: Unit) -> bool:
+        """Units ordered after this one that are going down must be gone first."""
+        for d in self._dependents_after[u.name]:
+            du = self.units[d]
+            if du.state is S.STOPPING:
+                return True
+            if du.state in (S.STARTING, S.ACTIVE) and (self._must_stop(du) or du.op_kind == "fail"):
+                return True
+        return False
+
+    def _will_start(self, u: Unit) -> bool:
+        """Would this unit be started (now or later) without an operator?"""
+        if u.goal is not Goal.ACTIVE or u.gave_up:
+            return False
+        if u.state is S.FAILED:
+            return u.restart_pending
+        return True
+
+    def _may_start(self, u: Unit, now: float) -> bool:
+        if u.op is not None or u.goal is not Goal.ACTIVE or u.gave_up or self.shutting_down:
+            return False
+        if u.state is S.FAILED:
+            if not u.restart_pending or now < u.restart_at:
+                return False
+        elif u.state is not S.INACTIVE:
+            return False
+        for r in u.spec.requires:
+            ru = self.units[r]
+            if ru.state is not S.ACTIVE or self._down(ru):
+                return False
+        for a in u.spec.dependencies:
+            au = self.units[a]
+            if au.state is S.ACTIVE:
+                continue
+            if au.state in (S.STARTING, S.STOPPING) or self._will_start(au):
+                return False
+        return True
+
+    def _converge(self) -> None:
+        self._converge_pending = False
+        now = time.monotonic()
+        to_stop: list[tuple[Unit, str]] = []
+        for name in reversed(self.order):
+            u = self.units[name]
+            if u.state not in (S.STARTING, S.ACTIVE):
+                continue
+            why = self._must_stop(u)
+            if why is None:
+                continue
+            if u.op is not None:
+                if u.op_kind == "start" and u.proc is not None and not u.op.done():
+                    # Waiting for readiness: cancel; it comes back here as a plain
+                    # STARTING unit. (Never cancelled mid-spawn: the child would be lost.)
+                    u.op.cancel()
+                continue
+            if self._blocked_by_dependents(u):
+                continue
+            to_stop.append((u, why))
+        if to_stop:
+            self._launch_stop(to_stop)
+        for name in self.order:
+            u = self.units[name]
+            if self._may_start(u, now):
+                self._launch(u, "start", self._start(u))
+
+    def _launch(self, u: Unit, kind: str, coro: Awaitable[None]) -> None:
+        u.op_kind = kind
+        u.op = asyncio.get_running_loop().create_task(self._run_op(u, kind, coro))
+
+    async def _run_op(self, u: Unit, kind: str, coro: Awaitable[None]) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            if kind != "start":
+                log.error("op cancelled", unit=u.name, op=kind)
+        except Exception:  # noqa: BLE001 - no op failure goes unseen
+            log.exception("op crashed", unit=u.name, op=kind)
+            if u.state in (S.STARTING, S.ACTIVE):
+                # Never leave a unit half-managed: treat it as failed.
+                u.op = None
+                u.op_kind = ""
+                self._launch(u, "fail", self._fail(u, f"internal error during {kind}", hang=True))
+                return
+        finally:
+            if u.op is asyncio.current_task():
+                u.op = None
+                u.op_kind = ""
+                self._kick()
+                self._notify_changed()
+
+    # -------------------------------------------------------------------- start
+    def _argv(self, spec: UnitSpec) -> list[str]:
+        argv = list(spec.exec)
+        if spec.title and len(argv) >= 2 and _PYTHON_RE.match(os.path.basename(argv[0])):
+            if argv[1] == "-m" and len(argv) >= 3 or not argv[1].startswith("-"):
+                # Python units run through the runner, which sets the title and
+                # hands over to the module or script unchanged.
+                return [argv[0], RUNNER, spec.title, *argv[1:]]
+        return argv
+
+    def _env(self, u: Unit) -> dict[str, str]:
+        base = {k: v for k, v in os.environ.items()
+                if k not in ("LISTEN_FDS", "LISTEN_PID", "OMNID_CONTROL", "INVOCATION_ID")}
+        # Units named `python3 -m ...` find the interpreter omnid runs under first.
+        pybin = os.path.dirname(sys.executable)
+        base["PATH"] = pybin + os.pathsep + base.get("PATH", "/usr/local/bin:/usr/bin:/bin")
+        env = u.spec.environ(base, self.notify_socket)
+        env[DAEMON_TAG] = self.token  # proof of ownership for leftover cleanup
+        if u.spec.gpus and "CUDA_DEVICE_ORDER" not in u.spec.env:
+            # NVML numbers GPUs in PCI order; make CUDA agree so gpus = [1] is the same card.
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        return env
+
+    def _count_start(self, u: Unit, now: float) -> int:
+        window = u.spec.start_limit_interval
+        while u.start_times and now - u.start_times[0] > window:
+            u.start_times.popleft()
+        return len(u.start_times)
+
+    async def _start(self, u: Unit) -> None:
+        spec = u.spec
+        now = time.monotonic()
+        automatic = u.state is S.FAILED
+        self._count_start(u, now)
+        u.start_times.append(now)
+        if automatic:
+            u.restarts += 1
+        u.restart_pending = False
+        u.ready_event = asyncio.Event()
+        u.stopping_notified = False
+        u.status_text = ""
+        reason = f"restart {u.restarts} after: {u.last_exit}" if automatic else "starting"
+        self._transition(u, S.STARTING, reason)
+        r, w = os.pipe2(os.O_CLOEXEC)
+        req = SpawnRequest(unit=u.name, argv=tuple(self._argv(spec)), env=self._env(u), cwd=spec.cwd,
+                           user=spec.user, group=spec.group, rlimits=tuple(spec.limits))
+        try:
+            sp = await self.spawner.spawn(req, w)
+        except SpawnError as exc:
+            os.close(r)
+            self._record_failure(u, str(exc))
+            self._transition(u, S.FAILED, self._failure_reason(u, str(exc)))
+            return
+        finally:
+            os.close(w)
+        assert u.output is not None
+        u.output.attach(r)
+        h = ProcessHandle(unit=u.name, pid=sp.pid, pidfd=sp.pidfd, pgid=sp.pid, start_time=sp.start_time)
+        u.proc = h
+        u.last_pgid = h.pgid
+        self._by_pid[h.pid] = (u, h)
+        early = self._early_exits.pop(h.pid, None)
+        if early is not None:
+            self._on_exit_report(early)
+        asyncio.get_running_loop().add_reader(h.pidfd, self._on_pidfd, u, h)
+        self.on_pids_changed()
+        self._kick()  # a stop may have been waiting for the spawn to finish
+        log.info("spawned", unit=u.name, pid=h.pid, argv=list(spec.exec))
+        await self._await_ready(u, h)
+
+    async def _await_ready(self, u: Unit, h: ProcessHandle) -> None:
+        spec = u.spec
+        ready_task = asyncio.get_running_loop().create_task(self._readiness(u))
+        exit_task = asyncio.get_running_loop().create_task(h.exited.wait())
+        try:
+            done, _ = await asyncio.wait({ready_task, exit_task}, timeout=spec.ready_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (ready_task, exit_task):
+                t.cancel()
+        if exit_task in done or h.exited.is_set():
+            await self._fail_after_exit(u, h)
+            return
+        if ready_task in done:
+            exc = ready_task.exception()
+            if exc is None:
+                self._become_active(u)
+                return
+            await self._fail_alive(u, f"readiness check failed: {exc}")
+            return
+        await self._fail_alive(u, f"not ready after {spec.ready_timeout:g} s")
+
+    async def _readiness(self, u: Unit) -> None:
+        ready = u.spec.ready
+        if ready.kind == "started":
+            return
+        if ready.kind == "notify":
+            await u.ready_event.wait()
+            return
+        delay = 0.02
+        last = ""
+        while True:
+            try:
+                if ready.kind == "http":
+                    await http_probe(ready.url, timeout=2.0)
+                else:
+                    await tcp_probe(ready.host, ready.port, timeout=2.0)
+                return
+            except ProbeFailed as exc:
+                if str(exc) != last:
+                    log.debug("not ready yet", unit=u.name, probe=str(exc))
+                    last = str(exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.25)
+
+    def _become_active(self, u: Unit) -> None:
+        u.ready = True
+        u.active_since = time.monotonic()
+        self._transition(u, S.ACTIVE, "ready" if u.spec.ready.kind != "started" else "started")
+        self._start_monitors(u)
+
+    # ---------------------------------------------------------------- monitors
+    def _start_monitors(self, u: Unit) -> None:
+        if u.spec.watchdog_sec > 0 and u.spec.ready.kind == "notify":
+            u.watchdog_last = time.monotonic()
+            self._arm_watchdog(u)
+        if u.spec.liveness is not None:
+            u.monitor = asyncio.get_running_loop().create_task(self._liveness(u))
+
+    def _stop_monitors(self, u: Unit) -> None:
+        if u.watchdog_timer is not None:
+            u.watchdog_timer.cancel()
+            u.watchdog_timer = None
+        if u.monitor is not None and u.monitor is not asyncio.current_task():
+            u.monitor.cancel()
+        u.monitor = None
+
+    def _arm_watchdog(self, u: Unit) -> None:
+        if u.watchdog_timer is not None:
+            u.watchdog_timer.cancel()
+        loop = asyncio.get_running_loop()
+        # call_at runs on the loop's monotonic clock.
+        deadline = loop.time() + u.spec.watchdog_sec
+        u.watchdog_timer = loop.call_at(deadline, self._watchdog_expired, u)
+
+    def _watchdog_expired(self, u: Unit) -> None:
+        u.watchdog_timer = None
+        if u.state is S.ACTIVE and u.op is None:
+            silent = time.monotonic() - u.watchdog_last
+            self._launch(u, "fail", self._fail_alive(u, f"watchdog: no ping for {silent:.1f} s"))
+
+    async def _liveness(self, u: Unit) -> None:
+        probe = u.spec.liveness
+        assert probe is not None
+        failures = 0
+        while u.state is S.ACTIVE:
+            await asyncio.sleep(probe.interval)
+            try:
+                await http_probe(probe.url, probe.timeout)
+                failures = 0
+            except ProbeFailed as exc:
+                failures += 1
+                log.warning("liveness probe failed", unit=u.name, error=str(exc), count=failures,
+                            of=probe.failures)
+                if failures >= probe.failures and u.state is S.ACTIVE and u.op is None:
+                    u.monitor = None
+                    self._launch(u, "fail", self._fail_alive(u, f"liveness: {exc} ({failures}/{probe.failures})"))
+                    return
+
+    # ------------------------------------------------------------------ notify
+    def on_notify(self, sender_pid: int, fields: dict[str, str]) -> str | None:
+        """sd_notify message from sender_pid; returns the unit it was attributed to."""
+        st = linux.read_stat(sender_pid)
+        u = None
+        if st is not None:
+            for cand in self.units.values():
+                if cand.proc is not None and cand.proc.pgid in (st.pgid, st.sid):
+                    u = cand
+                    break
+        if u is None:
+            log.warning("notify message from a pid in no unit's process group; ignored",
+                        pid=sender_pid, fields=sorted(fields))
+            return None
+        if "MAINPID" in fields and fields["MAINPID"] != str(u.proc.pid if u.proc else ""):
+            log.warning("notify MAINPID ignored: omnid tracks the process it spawned", unit=u.name,
+                        mainpid=fields["MAINPID"])
+        if "STATUS" in fields:
+            u.status_text = fields["STATUS"]
+        if fields.get("READY") == "1":
+            u.ready_event.set()
+        if fields.get("STOPPING") == "1":
+            u.stopping_notified = True
+        if fields.get("WATCHDOG") == "1":
+            u.watchdog_last = time.monotonic()
+            if u.watchdog_timer is not None:
+                self._arm_watchdog(u)
+        elif fields.get("WATCHDOG") == "trigger" and u.state is S.ACTIVE and u.op is None:
+            self._launch(u, "fail", self._fail_alive(u, "watchdog: unit asked to be killed (WATCHDOG=trigger)"))
+        return u.name
+
+    # -------------------------------------------------------------- death path
+    def _on_pidfd(self, u: Unit, h: ProcessHandle) -> None:
+        asyncio.get_running_loop().remove_reader(h.pidfd)
+        h.exit_seen = time.monotonic()  # type: ignore[attr-defined]
+        h.exited.set()
+        if u.proc is not h:
+            return
+        u.ready = False  # /health turns 503 now, not when the failure op finishes
+        self._notify_changed()
+        if u.op is None and u.state in (S.STARTING, S.ACTIVE):
+            self._launch(u, "fail", self._fail_after_exit(u, h))
+
+    def on_exit_report(self, rep: ExitReport) -> None:
+        entry = self._by_pid.get(rep.pid)
+        if entry is None:
+            if not rep.adopted:
+                self._early_exits[rep.pid] = rep
+                if len(self._early_exits) > 4096:
+                    self._early_exits.pop(next(iter(self._early_exits)))
+            return
+        _u, h = entry
+        h.exit_status = rep.status
+        h.reaped.set()
+
+    def _record_failure(self, u: Unit, what: str) -> None:
+        u.last_exit = what
+        u.deaths += 1
+
+    def _failure_reason(self, u: Unit, what: str) -> str:
+        """Decide restart or give-up; returns the reason text for the FAILED state."""
+        spec = u.spec
+        now = time.monotonic()
+        if u.active_since and now - u.active_since >= spec.restart_max_sec:
+            u.consecutive_failures = 0
+        u.active_since = 0.0
+        u.consecutive_failures += 1
+        u.restart_pending = False
+        if spec.restart == "no" or u.goal is not Goal.ACTIVE or self.shutting_down:
+            return what
+        starts = self._count_start(u, now)
+        if starts >= spec.start_limit_burst:
+            u.gave_up = True
+            return (f"{what}; start limit hit ({starts} starts within {spec.start_limit_interval:g} s), "
+                    "not restarting until `omnid start`")
+        delay = min(spec.restart_sec * (2 ** (u.consecutive_failures - 1)), spec.restart_max_sec)
+        u.restart_pending = True
+        u.restart_at = now + delay
+        asyncio.get_running_loop().call_later(delay, self._kick)
+        return f"{what}; restarting in {delay:g} s"
+
+    async def _fail_after_exit(self, u: Unit, h: ProcessHandle) -> None:
+        """The main process exited while nobody asked: kill what is left of the unit at once, then failed."""
+        t_wake = getattr(h, "exit_seen", time.monotonic())
+        try:
+            await asyncio.wait_for(h.reaped.wait(), 2.0)
+        except asyncio.TimeoutError:
+            log.error("no exit status from the spawner within 2 s", unit=u.name, pid=h.pid)
+        if h.exit_status is not None:
+            code, sig, what = linux.describe_wait_status(h.exit_status)
+        else:
+            code, sig, what = None, None, "exited (status unknown)"
+        u.last_exit_code, u.last_signal = code, sig
+        if u.stopping_notified:
+            what += " after STOPPING=1"
+        what = f"{what} (pid {h.pid}, while {u.state.value})"
+        self._record_failure(u, what)
+        table = linux.scan()
+        leftovers = find_residue(u.name, h.pgid, self.spawner.pid, self.token, table)
+        if leftovers:
+            # A half-dead unit never lingers: SIGKILL its group and escaped orphans now.
+            h.signal_group(signal.SIGKILL)
+            kill_survivors(leftovers)
+            self._transition(u, S.STOPPING, f"{what}; killing {len(leftovers)} leftover process(es)")
+            await self._wait_gone(u, h, time.monotonic() + u.spec.kill_timeout)
+            left = find_residue(u.name, h.pgid, self.spawner.pid, self.token)
+            if left:
+                log.error("unkillable processes after failure", unit=u.name,
+                          survivors=[s.describe() for s in left])
+        latency = (time.monotonic() - t_wake) * 1000
+        u.death_detect_ms = latency
+        self.death_latencies_ms.append(latency)
+        self._transition(u, S.FAILED, self._failure_reason(u, what))
+
+    async def _fail_alive(self, u: Unit, what: str) -> None:
+        """A unit whose main process lives but failed (timeout, watchdog, liveness): stop it, then failed."""
+        h = u.proc
+        assert h is not None
+        self._record_failure(u, what)
+        self._transition(u, S.STOPPING, what)
+        # A hung unit gets no SIGCONT: SIGKILL at stop_timeout if it does not exit.
+        rec = await self._terminate(u, h, u.spec.stop_signal, send_cont=False)
+        if h.exit_status is not None:
+            code, sig, _ = linux.describe_wait_status(h.exit_status)
+            u.last_exit_code, u.last_signal = code, sig
+        u.last_stop = rec
+        self._transition(u, S.FAILED, self._failure_reason(u, what))
+
+    # -------------------------------------------------------------------- stop
+    def _launch_stop(self, batch: list[tuple[Unit, str]]) -> None:
+        table = linux.scan()  # one /proc pass for the whole tier
+        for u, why in batch:
+            self._launch(u, "stop", self._stop(u, why, table))
+
+    async def _stop(self, u: Unit, why: str, table: list[linux.ProcStat] | None = None) -> None:
+        h = u.proc
+        was = u.state.value
+        if h is None:
+            self._transition(u, S.STOPPING, why)
+            self._transition(u, S.INACTIVE, why)
+            return
+        self._transition(u, S.STOPPING, why)
+        rec = await self._terminate(u, h, u.spec.stop_signal, send_cont=True, table=table)
+        rec.was = was
+        u.last_stop = rec
+        if h.exit_status is not None:
+            code, sig, what = linux.describe_wait_status(h.exit_status)
+            u.last_exit_code, u.last_signal = code, sig
+            u.last_exit = f"{what} (pid {h.pid}, stopped)"
+        final = why
+        if rec.unkillable:
+            final = f"{why}; UNKILLABLE: {'; '.join(rec.unkillable)}"
+        self._transition(u, S.INACTIVE, final)
+
+    async def _wait_gone(self, u: Unit, h: ProcessHandle, deadline: float) -> bool:
+        """Wait until the main process is reaped and the process group is empty, or the deadline."""
+        try:
+            await asyncio.wait_for(h.reaped.wait(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return False
+        while _group_alive(h.pgid):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(GROUP_POLL_S)
+        return True
+
+    async def _terminate(self, u: Unit, h: ProcessHandle, first: int, *, send_cont: bool,
+                         table: list[linux.ProcStat] | None = None) -> StopRecord:
+        """The kill policy: first signal to the group, wait stop_timeout, SIGKILL, wait
+        kill_timeout, then sweep orphans; report what could not be killed."""
+        spec = u.spec
+        t0 = time.monotonic()
+        rec = StopRecord(unit=u.name, signal=linux.signal_name(first), seconds=None, escalated=False)
+        extra = [s for s in find_residue(u.name, h.pgid, self.spawner.pid, self.token, table)
+                 if s.why != f"process group {h.pgid}"]
+        h.signal_group(first)
+        kill_survivors(extra, first)
+        if send_cont:
+            h.signal_group(signal.SIGCONT)
+        gone = await self._wait_gone(u, h, t0 + spec.stop_timeout)
+        if not gone:
+            rec.escalated = True
+            t_kill = time.monotonic()
+            h.signal_group(signal.SIGKILL)
+            kill_survivors(find_residue(u.name, h.pgid, self.spawner.pid, self.token))
+            log.warning("stop timeout: sent SIGKILL", unit=u.name, after_s=round(t_kill - t0, 3))
+            gone = await self._wait_gone(u, h, t_kill + spec.kill_timeout)
+        if h.reaped.is_set():
+            rec.seconds = round(time.monotonic() - t0, 4)
+        # Orphans that escaped the group (double fork + setsid) die too.
+        leftovers = find_residue(u.name, h.pgid, self.spawner.pid, self.token)
+        if leftovers:
+            rec.residue = [s.describe() for s in leftovers]
+            kill_survivors(leftovers)
+            deadline = time.monotonic() + spec.kill_timeout
+            while leftovers and time.monotonic() < deadline:
+                await asyncio.sleep(GROUP_POLL_S * 2)
+                leftovers = find_residue(u.name, h.pgid, self.spawner.pid, self.token)
+        if leftovers:
+            rec.unkillable = [s.describe() for s in leftovers]
+            log.error("unkillable processes", unit=u.name, survivors=rec.unkillable)
+        if self.gpu is not None and getattr(self.gpu, "available", False):
+            rec.gpu_release_ms = await self._gpu_release(h.pid, [s.pid for s in leftovers], spec.kill_timeout)
+        log.info("stopped", unit=u.name, signal=rec.signal, seconds=rec.seconds, escalated=rec.escalated,
+                 residue=len(rec.residue), unkillable=len(rec.unkillable))
+        return rec
+
+    async def _gpu_release(self, pid: int, others: list[int], timeout: float) -> float | None:
+        from omnid import gpu as gpu_mod
+
+        try:
+            ms, _left = await gpu_mod.wait_released(self.gpu, [pid, *others], timeout)
+            return ms
+        except Exception as exc:  # noqa: BLE001 - a GPU read error must not break a stop
+            log.warning("gpu release check failed", error=str(exc))
+            return None
+
+    # --------------------------------------------------------------- operators
+    async def start_units(self, names: list[str] | None, timeout: float | None = None) -> list[dict]:
+        """Operator start: the named units (all when None) and everything they require."""
+        targets = self.expand(names) if names else list(self.order)
+        closure: list[str] = []
+        todo = list(targets)
+        while todo:
+            n = todo.pop()
+            if n in closure:
+                continue
+            closure.append(n)
+            todo.extend(self.units[n].spec.requires)
+        for n in closure:
+            u = self.units[n]
+            u.goal = Goal.ACTIVE
+            u.gave_up = False
+            u.start_times.clear()
+            u.consecutive_failures = 0
+            if u.state is S.FAILED and u.op is None:
+                u.restart_pending = True
+                u.restart_at = 0.0
+        self._kick()
+
+        def done() -> bool:
+            for n in targets:
+                u = self.units[n]
+                if u.state is S.ACTIVE and u.op is None:
+                    continue
+                if u.op is None and u.state is S.FAILED and not u.restart_pending:
+                    continue
+                if u.op is None and u.state is S.INACTIVE and self._stuck(u):
+                    continue
+                return False
+            return True
+
+        await self.wait_until(done, timeout)
+        return [self.units[n].snapshot() for n in targets]
+
+    def _stuck(self, u: Unit) -> bool:
+        """An inactive unit that will not start without an operator (a requirement gave up)."""
+        for r in u.spec.requires:
+            ru = self.units[r]
+            if ru.state is S.FAILED and not ru.restart_pending:
+                return True
+            if ru.state is S.INACTIVE and ru.op is None and self._stuck(ru):
+                return True
+        return False
+
+    async def stop_units(self, names: list[str] | None, timeout: float | None = None) -> list[StopRecord]:
+        targets = self.expand(names) if names else list(self.order)
+        closure = set(targets)
+        for n in targets:
+            closure.update(d.name for d in self.stack.dependents(n))
+        before = {n: self.units[n].last_stop for n in self.order}
+        for n in targets:
+            u = self.units[n]
+            u.goal = Goal.INACTIVE
+            u.restart_pending = False
+            if u.state is S.FAILED and u.op is None:
+                self._transition(u, S.INACTIVE, f"stopped by request (was failed: {u.reason})")
+        self._kick()
+
+        def done() -> bool:
+            return all(self.units[n].op is None and self.units[n].state in (S.INACTIVE, S.FAILED)
+                       for n in closure)
+
+        await self.wait_until(done, timeout)
+        stop_order = list(reversed(self.order))
+        recs = [self.units[n].last_stop for n in stop_order
+                if self.units[n].last_stop is not None and self.units[n].last_stop is not before[n]]
+        return recs  # type: ignore[return-value]
+
+    async def restart_units(self, names: list[str], timeout: float | None = None) -> list[dict]:
+        await self.stop_units(names, timeout)
+        return await self.start_units(names, timeout)
+
+    def kill_unit(self, name: str, sig: int) -> list[str]:
+        out = []
+        for n in self.expand([name]):
+            u = self.units[n]
+            if u.proc is not None and u.proc.signal_group(sig):
+                out.append(n)
+        return out
+
+    async def shutdown(self, timeout: float | None = None) -> list[StopRecord]:
+        self.shutting_down = True
+        return await self.stop_units(None, timeout)
+
+    def on_spawner_gone(self) -> None:
+        """Every unit died with the spawner (PDEATHSIG); realign state with that."""
+        for u in self.units.values():
+            if u.proc is not None:
+                u.proc.exited.set()
+                u.proc.reaped.set()
+
+    # ------------------------------------------------------------------ verify
+    def verify_unit(self, u: Unit, settled: bool = False) -> list[str]:
+        """Compare a unit's state with /proc (DESIGN.md's invariant)."""
+        problems = []
+        h = u.proc
+        st = u.state
+        if st in (S.STARTING, S.ACTIVE):
+            if h is None or h.pidfd < 0:
+                problems.append(f"{u.name}: {st.value} without a held pidfd")
+            else:
+                ps = linux.read_stat(h.pid)
+                alive = ps is not None and ps.start_time == h.start_time and ps.state not in ("Z", "X")
+                if not alive and not h.exited.is_set() and settled:
+                    problems.append(f"{u.name}: {st.value} but main process {h.pid} is not alive")
+        elif st is S.STOPPING:
+            pass  # the stop op is in charge; anything may be alive or just gone
+        else:
+            if h is not None:
+                problems.append(f"{u.name}: {st.value} but still holds process {h.pid}")
+            if u.output is not None and u.output.attached:
+                problems.append(f"{u.name}: {st.value} but its output pipe is open")
+            if _group_alive(u.last_pgid):
+                problems.append(f"{u.name}: {st.value} but process group {u.last_pgid} is not empty")
+        return problems
+
+    def verify(self) -> list[str]:
+        problems: list[str] = []
+        for u in self.units.values():
+            if u.op is None:
+                problems.extend(self.verify_unit(u, settled=True))
+        return problems
+
+    def snapshot(self) -> list[dict]:
+        return [self.units[n].snapshot() for n in self.order]
+
+    def idle(self) -> bool:
+        return all(u.op is None for u in self.units.values())

@@ -1,0 +1,405 @@
+"""omnid.gpu: GPU truth for residue checks, start refusal and degraded detection.
+
+Every test here except the last runs without a GPU: the `fake_gpu` tests use
+FakeGpuBackend, the `fake_nvml` tests replace pynvml's functions to drive
+NvmlBackend's error handling. The last test (`-m gpu`) uses the real NVML and is
+skipped, with the reason, on a machine without one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from omnid import gpu
+from omnid.gpu import (
+    FakeGpuBackend,
+    GpuInfo,
+    GpuProcess,
+    NoGpuBackend,
+    NvmlBackend,
+    holders_of,
+    memory_held_by,
+    open_backend,
+    wait_released,
+    write_fake_gpu_file,
+)
+
+
+def two_gpus_with_workers() -> FakeGpuBackend:
+    fake = FakeGpuBackend()
+    fake.set_gpu(0, total_mib=81920)
+    fake.set_gpu(1, total_mib=81920)
+    fake.set_process(1001, 30000, gpu=0)
+    fake.set_process(1002, 20000, gpu=1)
+    fake.set_process(9999, 500, gpu=1)  # someone else's
+    return fake
+
+
+# ---------------------------------------------------------------------------- fake GPU
+
+
+def test_fake_gpu_says_it_is_fake() -> None:
+    fake = two_gpus_with_workers()
+    assert fake.kind == "fake"
+    assert fake.available and fake.reason == "" and fake.pids_local
+    assert "FAKE" in gpu.describe(fake)
+
+
+def test_fake_gpu_lists_gpus_with_free_memory_derived_from_processes() -> None:
+    fake = two_gpus_with_workers()
+    assert fake.gpus() == [
+        GpuInfo(index=0, name="fake GPU 0", total_mib=81920, free_mib=51920, used_mib=30000),
+        GpuInfo(index=1, name="fake GPU 1", total_mib=81920, free_mib=61420, used_mib=20500),
+    ]
+
+
+def test_fake_gpu_explicit_free_memory_simulates_an_outside_process() -> None:
+    fake = two_gpus_with_workers()
+    fake.set_gpu(0, total_mib=81920, free_mib=12)
+    (gpu0,) = [g for g in fake.gpus() if g.index == 0]
+    assert gpu0.free_mib == 12 and gpu0.used_mib == 81908
+
+
+def test_fake_gpu_memory_held_by_only_the_given_pids() -> None:
+    fake = two_gpus_with_workers()
+    assert memory_held_by(fake, [1001, 1002, 4242]) == [
+        GpuProcess(pid=1001, gpu=0, used_mib=30000),
+        GpuProcess(pid=1002, gpu=1, used_mib=20000),
+    ]
+    assert memory_held_by(fake, []) == []
+
+
+def test_fake_gpu_process_on_two_gpus_is_listed_once_per_gpu() -> None:
+    fake = two_gpus_with_workers()
+    fake.set_process(1001, 100, gpu=1)
+    assert sorted((p.pid, p.gpu) for p in memory_held_by(fake, [1001])) == [(1001, 0), (1001, 1)]
+    fake.release(1001, gpu=0)
+    assert [(p.pid, p.gpu) for p in memory_held_by(fake, [1001])] == [(1001, 1)]
+
+
+def test_fake_gpu_holders_of_lists_every_pid_on_those_gpus() -> None:
+    fake = two_gpus_with_workers()
+    assert sorted(p.pid for p in holders_of(fake, [1])) == [1002, 9999]
+    assert [p.pid for p in holders_of(fake, [0])] == [1001]
+    assert holders_of(fake, [7]) == []
+
+
+def test_fake_gpu_wait_released_reports_ms_until_memory_is_freed() -> None:
+    fake = two_gpus_with_workers()
+
+    async def scenario() -> tuple[float | None, list[GpuProcess]]:
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.2, fake.release, 1001)
+        loop.call_later(0.3, fake.release, 1002)
+        return await wait_released(fake, [1001, 1002], timeout=5.0, interval=0.01)
+
+    ms, leftovers = asyncio.run(scenario())
+    assert leftovers == []
+    assert ms is not None and 290 <= ms < 2000
+
+
+def test_fake_gpu_wait_released_gives_up_at_the_deadline_with_leftovers() -> None:
+    fake = two_gpus_with_workers()
+    started = time.monotonic()
+    ms, leftovers = asyncio.run(wait_released(fake, [1001, 1002], timeout=0.3, interval=0.02))
+    elapsed = time.monotonic() - started
+    assert ms is None
+    assert leftovers == [GpuProcess(1001, 0, 30000), GpuProcess(1002, 1, 20000)]
+    assert 0.3 <= elapsed < 1.5
+
+
+def test_fake_gpu_wait_released_with_nothing_held_is_immediate() -> None:
+    fake = two_gpus_with_workers()
+    ms, leftovers = asyncio.run(wait_released(fake, [4242], timeout=5.0))
+    assert leftovers == [] and ms is not None and ms < 50
+    assert asyncio.run(wait_released(fake, [], timeout=5.0)) == (0.0, [])
+
+
+def test_fake_gpu_unavailable_cannot_tell_instead_of_claiming_released() -> None:
+    fake = two_gpus_with_workers()
+    fake.set_unavailable("no GPU: fake NVML failure")
+    assert not fake.available and fake.reason == "no GPU: fake NVML failure"
+    assert fake.gpus() == [] and fake.processes() == []
+    assert memory_held_by(fake, [1001]) == []
+    assert asyncio.run(wait_released(fake, [1001], timeout=5.0)) == (None, [])
+    fake.set_available()
+    assert fake.available and len(memory_held_by(fake, [1001])) == 1
+
+
+def test_fake_gpu_host_pids_are_not_matched_to_unit_pids() -> None:
+    fake = two_gpus_with_workers()
+    fake.set_pids_local(False)
+    assert memory_held_by(fake, [1001]) == []
+    assert asyncio.run(wait_released(fake, [1001], timeout=5.0)) == (None, [])
+    # who holds a GPU does not need pids to be comparable
+    assert [p.pid for p in holders_of(fake, [0])] == [1001]
+
+
+def test_fake_gpu_file_from_env_is_what_open_backend_uses(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "gpu.json"
+    write_fake_gpu_file(path, {"gpus": [{"index": 0, "name": "fake H100", "total_mib": 1000}],
+                               "processes": [{"pid": 77, "gpu": 0, "used_mib": 250}]})
+    monkeypatch.setenv("OMNID_FAKE_GPU", str(path))
+    backend = open_backend()
+    assert isinstance(backend, FakeGpuBackend) and backend.kind == "fake"
+    assert backend.gpus() == [GpuInfo(0, "fake H100", 1000, 750, 250)]
+    assert memory_held_by(backend, [77]) == [GpuProcess(77, 0, 250)]
+
+
+def test_fake_gpu_file_is_reread_on_every_call(tmp_path: Path) -> None:
+    path = tmp_path / "gpu.json"
+    write_fake_gpu_file(path, {"gpus": [{"index": 0, "total_mib": 1000}],
+                               "processes": [{"pid": 77, "used_mib": 250}]})
+    backend = FakeGpuBackend(path)
+    assert backend.gpus()[0].free_mib == 750
+    write_fake_gpu_file(path, {"gpus": [{"index": 0, "total_mib": 1000, "free_mib": 3}],
+                               "processes": []})
+    assert backend.gpus()[0].free_mib == 3
+    assert backend.processes() == []
+
+
+def test_fake_gpu_setters_on_a_file_are_seen_by_another_reader(tmp_path: Path) -> None:
+    path = tmp_path / "gpu.json"
+    writer, reader = FakeGpuBackend(path), FakeGpuBackend(path)
+    writer.set_gpu(0, total_mib=2048)
+    writer.set_process(5, 1024)
+    assert reader.processes() == [GpuProcess(5, 0, 1024)]
+    writer.release(5)
+    assert reader.processes() == []
+    assert [p.name for p in tmp_path.iterdir()] == ["gpu.json"]  # no temp files left
+
+
+def test_fake_gpu_release_by_another_process_ends_the_wait(tmp_path: Path) -> None:
+    path = tmp_path / "gpu.json"
+    backend = FakeGpuBackend(path)
+    backend.set_gpu(0)
+    backend.set_process(4321, 4096)
+    releaser = textwrap.dedent(f"""
+        import time
+        from omnid.gpu import FakeGpuBackend
+        time.sleep(0.3)
+        FakeGpuBackend({str(path)!r}).release(4321)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", releaser])
+    try:
+        ms, leftovers = asyncio.run(wait_released(backend, [4321], timeout=10.0))
+    finally:
+        assert child.wait(timeout=10) == 0
+    assert leftovers == [] and ms is not None and ms >= 300
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "cannot read"),
+    ("{not json", "cannot read"),
+    ('{"gpus": [{"index": "zero", "total_mib": 1}]}', "gpus[0]: expected"),
+    ('{"processes": [{"pid": 1}]}', "processes[0]: expected"),
+    ('{"available": false, "reason": "no GPU: pretend"}', "no GPU: pretend"),
+])
+def test_fake_gpu_bad_file_is_unavailable_with_a_reason(tmp_path: Path, content: str | None,
+                                                        expected: str) -> None:
+    path = tmp_path / "gpu.json"
+    if content is not None:
+        path.write_text(content)
+    backend = FakeGpuBackend(path)
+    assert not backend.available
+    assert expected in backend.reason
+    if "no GPU" not in expected:
+        assert str(path) in backend.reason
+    assert backend.gpus() == [] and backend.processes() == []
+    assert asyncio.run(wait_released(backend, [1], timeout=5.0)) == (None, [])
+
+
+# ---------------------------------------------------------------------------- no GPU / NVML errors
+
+
+def test_no_gpu_backend_answers_empty_and_never_raises() -> None:
+    backend = NoGpuBackend("no GPU: NVML not found (libnvidia-ml.so.1 cannot be loaded)")
+    assert not backend.available and backend.kind == "none"
+    assert backend.gpus() == [] and backend.processes() == []
+    assert memory_held_by(backend, [1]) == [] and holders_of(backend, [0]) == []
+    assert asyncio.run(wait_released(backend, [1], timeout=5.0)) == (None, [])
+    assert gpu.describe(backend) == "none: " + backend.reason
+
+
+def test_open_backend_without_fake_or_nvml_gives_no_gpu_reason(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pynvml = pytest.importorskip("pynvml")
+    monkeypatch.delenv("OMNID_FAKE_GPU", raising=False)
+
+    def no_library() -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+    monkeypatch.setattr(pynvml, "nvmlInit", no_library)
+    backend = open_backend()
+    assert isinstance(backend, NoGpuBackend)
+    assert backend.reason == "no GPU: NVML not found (libnvidia-ml.so.1 cannot be loaded)"
+
+
+@pytest.mark.parametrize("code_name, expected", [
+    ("NVML_ERROR_DRIVER_NOT_LOADED", "no GPU: NVIDIA driver not loaded"),
+    ("NVML_ERROR_NO_PERMISSION", "no GPU: NVML: insufficient permissions"),
+    ("NVML_ERROR_UNKNOWN", "no GPU: NVML init failed: Unknown Error"),
+])
+def test_fake_nvml_init_failure_is_a_reason_not_an_exception(
+        monkeypatch: pytest.MonkeyPatch, code_name: str, expected: str) -> None:
+    pynvml = pytest.importorskip("pynvml")
+
+    def fail() -> None:
+        raise pynvml.NVMLError(getattr(pynvml, code_name))
+    monkeypatch.setattr(pynvml, "nvmlInit", fail)
+    backend = NvmlBackend()
+    assert not backend.available and backend.reason == expected
+    assert backend.gpus() == [] and backend.processes() == []
+
+
+def test_fake_nvml_missing_python_binding_is_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` fail
+    backend = NvmlBackend()
+    assert not backend.available
+    assert backend.reason.startswith("no GPU: nvidia-ml-py is not installed")
+
+
+class _Entry:
+    def __init__(self, pid: int, used: int | None) -> None:
+        self.pid, self.usedGpuMemory = pid, used
+
+
+class _Memory:
+    def __init__(self, total: int, free: int) -> None:
+        self.total, self.free, self.used = total, free, total - free
+
+
+def fake_nvml(monkeypatch: pytest.MonkeyPatch, lost_gpu: int | None = None):  # type: ignore[no-untyped-def]
+    """Two fake NVML devices: pid 10 on both (compute and graphics on GPU 0), pid 11 with
+    an amount the driver cannot tell, no graphics listing on GPU 1, no v3 MPS call."""
+    pynvml = pytest.importorskip("pynvml")
+    mib = 1024 * 1024
+    err = pynvml.NVMLError
+
+    def lost(handle: int) -> None:
+        if handle == lost_gpu:
+            raise err(pynvml.NVML_ERROR_GPU_IS_LOST)
+
+    def compute(handle: int) -> list[_Entry]:
+        lost(handle)
+        return [_Entry(10, 512 * mib), _Entry(11, None)] if handle == 0 else [_Entry(10, 64 * mib)]
+
+    def graphics(handle: int) -> list[_Entry]:
+        lost(handle)
+        if handle == 1:
+            raise err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return [_Entry(10, 512 * mib)]
+
+    def mps_v3(handle: int) -> list[_Entry]:
+        raise err(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+    def memory(handle: int) -> _Memory:
+        lost(handle)
+        return _Memory(80 * 1024 * mib, 79 * 1024 * mib)
+
+    for name, fn in {
+        "nvmlInit": lambda: None,
+        "nvmlShutdown": lambda: None,
+        "nvmlDeviceGetCount": lambda: 2,
+        "nvmlDeviceGetHandleByIndex": lambda i: i,
+        "nvmlDeviceGetName": lambda h: b"NVIDIA H100 80GB HBM3" if h == 0 else "NVIDIA H100 80GB HBM3",
+        "nvmlDeviceGetMemoryInfo": memory,
+        "nvmlDeviceGetComputeRunningProcesses_v3": compute,
+        "nvmlDeviceGetGraphicsRunningProcesses_v3": graphics,
+        "nvmlDeviceGetMPSComputeRunningProcesses_v3": mps_v3,
+        "nvmlDeviceGetMPSComputeRunningProcesses_v2": lambda h: [],
+    }.items():
+        monkeypatch.setattr(pynvml, name, fn)
+    monkeypatch.setattr(gpu, "in_initial_pid_namespace", lambda: True)
+    return pynvml
+
+
+def test_fake_nvml_merges_process_lists_per_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_nvml(monkeypatch)
+    backend = NvmlBackend()
+    assert backend.available and backend.kind == "nvml"
+    assert backend.processes() == [
+        GpuProcess(pid=10, gpu=0, used_mib=512.0),
+        GpuProcess(pid=10, gpu=1, used_mib=64.0),
+        GpuProcess(pid=11, gpu=0, used_mib=0.0),  # amount unknown, still a holder
+    ]
+    assert [(g.index, g.name, g.total_mib, g.free_mib) for g in backend.gpus()] == [
+        (0, "NVIDIA H100 80GB HBM3", 81920.0, 80896.0),
+        (1, "NVIDIA H100 80GB HBM3", 81920.0, 80896.0),
+    ]
+    assert sorted(p.gpu for p in memory_held_by(backend, [11, 10])) == [0, 0, 1]
+
+
+def test_fake_nvml_lost_gpu_is_skipped_and_the_others_still_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_nvml(monkeypatch, lost_gpu=1)
+    backend = NvmlBackend()
+    assert [g.index for g in backend.gpus()] == [0]
+    assert {p.gpu for p in backend.processes()} == {0}
+
+
+def test_fake_nvml_no_devices_is_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    pynvml = fake_nvml(monkeypatch)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 0)
+    backend = NvmlBackend()
+    assert not backend.available and backend.reason == "no GPU: NVML found no devices"
+
+
+# ---------------------------------------------------------------------------- real GPU
+
+_CUDA_HOLDER = textwrap.dedent("""
+    import ctypes, sys
+    cuda = ctypes.CDLL("libcuda.so.1")
+    def check(result, call):
+        if result != 0:
+            sys.exit(f"{call} failed: CUresult {result}")
+    check(cuda.cuInit(0), "cuInit")
+    device, context, pointer = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
+    check(cuda.cuDeviceGet(ctypes.byref(device), 0), "cuDeviceGet")
+    check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
+    check(cuda.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+    check(cuda.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(256 << 20)), "cuMemAlloc_v2")
+    print("holding", flush=True)
+    sys.stdin.read()
+""")
+
+
+@pytest.mark.gpu
+def test_real_nvml_sees_a_child_holding_gpu_memory_and_its_release() -> None:
+    backend = NvmlBackend()
+    if not backend.available:
+        pytest.skip(f"needs an NVIDIA GPU with NVML: {backend.reason}")
+    try:
+        gpus = backend.gpus()
+        assert gpus and all(g.total_mib > 0 and 0 <= g.free_mib <= g.total_mib for g in gpus)
+        if not backend.pids_local:
+            pytest.skip("NVML reports host pids in this PID namespace; per-pid check impossible")
+        child = subprocess.Popen([sys.executable, "-c", _CUDA_HOLDER], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout is not None
+            line = child.stdout.readline()
+            assert line == "holding\n", f"CUDA child failed: {child.stderr.read() if child.stderr else ''}"
+            deadline = time.monotonic() + 10
+            while not (held := memory_held_by(backend, [child.pid])):
+                assert time.monotonic() < deadline, f"NVML never listed pid {child.pid}"
+                time.sleep(0.05)
+            # 0.0 = the driver does not tell the amount (some VMs, MIG); the pid still counts
+            assert held[0].pid == child.pid and (held[0].used_mib == 0.0 or held[0].used_mib >= 256)
+            assert child.pid in {p.pid for p in holders_of(backend, [held[0].gpu])}
+        finally:
+            child.kill()
+            child.wait(timeout=10)
+        ms, leftovers = asyncio.run(wait_released(backend, [child.pid], timeout=10.0))
+        assert leftovers == [] and ms is not None
+    finally:
+        backend.close()

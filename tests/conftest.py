@@ -1,0 +1,113 @@
+"""Test harness: every test runs under a leak check that asks the kernel, not omnid.
+
+Each test gets a unique OMNID_TEST_ID in the environment; everything it starts
+(daemon, spawner, units, their grandchildren) inherits it. After the test, any
+process still carrying that id, any zombie child of pytest, or any fd pytest
+did not have before fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+
+import pytest
+
+from omnid import linux
+from tests.harness import Daemon, make_stack  # noqa: F401  (fixtures below use them)
+
+LEAK_GRACE_S = 10.0
+
+
+def _marked(test_id: str) -> list[linux.ProcStat]:
+    me = os.getpid()
+    out = []
+    for st in linux.scan():
+        if st.pid == me or st.state in ("X",):
+            continue
+        if linux.read_environ_var(st.pid, "OMNID_TEST_ID") == test_id:
+            out.append(st)
+    return out
+
+
+def _zombie_children() -> list[linux.ProcStat]:
+    me = os.getpid()
+    return [st for st in linux.scan() if st.ppid == me and st.state == "Z"]
+
+
+def _fds() -> set[int]:
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        # pytest's own capture files and the fd of this listdir come and go.
+        if "pytest" in target or target.startswith("/dev/pts") or target.startswith("/tmp/pytest"):
+            continue
+        out.add(fd)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
+    test_id = uuid.uuid4().hex
+    monkeypatch.setenv("OMNID_TEST_ID", test_id)
+    monkeypatch.setenv("OMNID_CHECK_INVARIANTS", "1")
+    fds_before = _fds()
+    yield test_id
+    problems = []
+    deadline = time.monotonic() + LEAK_GRACE_S
+    left = _marked(test_id)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.02)
+        left = _marked(test_id)
+    if left:
+        problems.append("processes left behind: " + ", ".join(
+            f"pid {p.pid} ({p.comm}, state {p.state}, ppid {p.ppid})" for p in left))
+        for p in left:  # clean up by pidfd so one leak does not poison the next test
+            try:
+                fd = os.pidfd_open(p.pid)
+            except ProcessLookupError:
+                continue
+            linux.pidfd_send_signal(fd, signal.SIGKILL)
+            os.close(fd)
+    zombies = _zombie_children()
+    if zombies:
+        problems.append("zombies left (children of pytest not reaped): " + ", ".join(str(z.pid) for z in zombies))
+        for z in zombies:
+            try:
+                os.waitpid(z.pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+    leaked_fds = _fds() - fds_before
+    if leaked_fds:
+        desc = []
+        for fd in sorted(leaked_fds):
+            try:
+                desc.append(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
+            except OSError:
+                continue
+        if desc:
+            problems.append("fds left open: " + ", ".join(desc))
+    if problems:
+        pytest.fail("leak check: " + "; ".join(problems), pytrace=False)
+
+
+@pytest.fixture
+def daemon_factory(tmp_path_factory):
+    """Start omnid daemons on stack directories; every one is stopped and reaped afterwards."""
+    started: list[Daemon] = []
+
+    def start(units_dir, **kw) -> Daemon:
+        d = Daemon(units_dir, **kw)
+        started.append(d)
+        d.start()
+        return d
+
+    yield start
+    for d in started:
+        d.close()

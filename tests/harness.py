@@ -1,0 +1,193 @@
+"""Drive a real `omnid daemon` process from tests: start it, talk to its control
+socket and health API, wait for conditions with deadlines, and always reap it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+
+from omnid import linux
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_stack(units: dict[str, str], settings: str | None = None) -> Path:
+    """Write a stack directory: {unit name: TOML text}."""
+    d = Path(tempfile.mkdtemp(prefix="omst-", dir="/tmp"))
+    for name, text in units.items():
+        (d / f"{name}.toml").write_text(textwrap.dedent(text))
+    if settings is not None:
+        (d / "omnid.toml").write_text(textwrap.dedent(settings))
+    return d
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> Any:
+    """Poll with a deadline (never a fixed sleep); fail with `what` on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def alive(pid: int) -> bool:
+    st = linux.read_stat(pid)
+    return st is not None and st.state not in ("Z", "X")
+
+
+class Daemon:
+    def __init__(self, units_dir: Path | str, env: dict[str, str] | None = None, python: str | None = None) -> None:
+        self.units_dir = Path(units_dir)
+        self.workdir = Path(tempfile.mkdtemp(prefix="omd-", dir="/tmp"))
+        self.control = str(self.workdir / "c.sock")
+        self.state_dir = self.workdir / "state"
+        self.health_port = free_port()
+        self.log_path = self.workdir / "daemon.log"
+        self.env = dict(os.environ, **(env or {}))
+        self.python = python or sys.executable
+        self.proc: subprocess.Popen | None = None
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+        self._n = 0
+
+    # -- life ---------------------------------------------------------------
+    def argv(self) -> list[str]:
+        return [self.python, "-m", "omnid", "--control", self.control, "daemon", "-u", str(self.units_dir),
+                "--state-dir", str(self.state_dir), "--health-listen", f"127.0.0.1:{self.health_port}",
+                "--log-format", "json"]
+
+    def start(self, wait: bool = True) -> "Daemon":
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
+                                     env=self.env, cwd=str(REPO))
+        if wait:
+            wait_for(lambda: self.proc.poll() is not None or os.path.exists(self.control), 20,
+                     "the daemon's control socket")
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_events(self) -> list[dict]:
+        out = []
+        for line in self.log().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+    def wait_exit(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def close(self) -> None:
+        """Stop the daemon (SIGTERM = ordered stop), SIGKILL if it hangs, reap it."""
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self.proc is not None:
+            self.proc.wait(10)
+        self._ctx.term()
+        if hasattr(self, "_log"):
+            self._log.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    # -- control socket --------------------------------------------------------
+    def raw(self, payload: bytes, timeout: float = 10.0) -> dict:
+        if self._sock is None:
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(f"ipc://{self.control}")
+        self._sock.send(payload)
+        if not self._sock.poll(timeout * 1000):
+            raise AssertionError(f"no control reply within {timeout} s")
+        return json.loads(self._sock.recv())
+
+    def call(self, cmd: str, args: dict | None = None, timeout: float = 30.0) -> dict:
+        self._n += 1
+        return self.raw(json.dumps({"id": self._n, "cmd": cmd, "args": args or {}}).encode(), timeout)
+
+    def ok(self, cmd: str, args: dict | None = None, timeout: float = 30.0) -> Any:
+        reply = self.call(cmd, args, timeout)
+        assert reply["ok"], reply
+        return reply["result"]
+
+    def units(self) -> dict[str, dict]:
+        return {u["name"]: u for u in self.ok("status")["units"]}
+
+    def unit(self, name: str) -> dict:
+        return self.units()[name]
+
+    def wait_state(self, name: str, state: str, timeout: float = 15.0) -> dict:
+        return wait_for(lambda: (u := self.unit(name))["state"] == state and u, timeout,
+                        f"{name} to be {state} (log:\n{self.log()[-3000:]})")
+
+    def wait_all_active(self, timeout: float = 30.0) -> dict[str, dict]:
+        def check():
+            us = self.units()
+            return us if all(u["state"] == "active" and u["ready"] for u in us.values()) else None
+
+        return wait_for(check, timeout, "every unit active")
+
+    # -- health HTTP -------------------------------------------------------------
+    def http(self, path: str) -> tuple[int, Any]:
+        url = f"http://127.0.0.1:{self.health_port}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                body = r.read()
+                code = r.status
+        except urllib.error.HTTPError as e:
+            body = e.read()
+            code = e.code
+        try:
+            return code, json.loads(body)
+        except ValueError:
+            return code, body.decode()
+
+    def events_socket(self) -> zmq.Socket:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"ipc://{self.control}.events")
+        return sub

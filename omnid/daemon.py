@@ -103,6 +103,7 @@ class Daemon:
         self.exit_code = 0
         self._state_write: asyncio.TimerHandle | None = None
         self.gpu = None
+        self._gpu_task: asyncio.Task | None = None
 
     # -- callbacks --------------------------------------------------------------
     def _on_exit(self, rep) -> None:
@@ -278,7 +279,10 @@ class Daemon:
         self.control = ControlServer(ctx, self.cfg.control, handlers)
         self.control.bind()
         self.control.start()
-        self.health = HealthServer(self.sup, self.cfg.health_listen)
+        self.health = HealthServer(self.sup, self.cfg.health_listen, degraded=lambda: self.sup.degraded,
+                                   gpu_usage=lambda: self.sup.gpu_mib)
+        if self.gpu.available:
+            self._gpu_task = loop.create_task(self._gpu_watch())
         try:
             await self.health.start()
         except OSError as exc:
@@ -306,6 +310,8 @@ class Daemon:
         deadline = time.monotonic() + 2.0
         while self.control._tasks and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
+        if self._gpu_task is not None:
+            self._gpu_task.cancel()
         await self.health.close()
         await self.control.close()
         ctx.term()
@@ -313,6 +319,52 @@ class Daemon:
         await self.spawner.shutdown()
         self.state.remove()
         return self.exit_code
+
+    async def _gpu_watch(self) -> None:
+        """GPU memory is hardware state with no event to wait on: read it every
+        OMNID_GPU_INTERVAL seconds (default 1) for `gpu_min_free_mib` and the figures."""
+        from omnid import gpu as gpu_mod
+
+        assert self.sup is not None
+        interval = float(os.environ.get("OMNID_GPU_INTERVAL", "1.0"))
+        said = False
+        while True:
+            try:
+                gpus = {g.index: g for g in await gpu_mod.gpus_async(self.gpu)}
+                procs = await gpu_mod.processes_async(self.gpu) if self.gpu.pids_local else []
+                said = False
+            except Exception as exc:  # noqa: BLE001 - say it once, keep watching
+                if not said:
+                    log.error("GPU read failed", error=str(exc))
+                    said = True
+                await asyncio.sleep(interval)
+                continue
+            by_pid: dict[int, float] = {}
+            for p in procs:
+                by_pid[p.pid] = by_pid.get(p.pid, 0.0) + p.used_mib
+            degraded: dict[str, str] = {}
+            usage: dict[str, float] = {}
+            table = linux.scan() if by_pid else []
+            for u in self.sup.units.values():
+                if u.proc is not None and by_pid:
+                    pg = u.proc.pgid
+                    usage[u.name] = sum(by_pid.get(p.pid, 0.0) for p in table if p.pgid == pg)
+                need = u.spec.gpu_min_free_mib
+                if need > 0 and u.state.value in ("starting", "active"):
+                    for idx in u.spec.gpus:
+                        g = gpus.get(idx)
+                        if g is None:
+                            degraded[u.name] = f"GPU {idx} not visible to {gpu_mod.describe(self.gpu)}"
+                        elif g.free_mib < need:
+                            degraded[u.name] = (f"GPU {idx} has {g.free_mib:.0f} MiB free, under "
+                                                f"gpu_min_free_mib = {need}")
+            for name in degraded.keys() - self.sup.degraded.keys():
+                log.warning("unit degraded", unit=name, reason=degraded[name])
+            for name in self.sup.degraded.keys() - degraded.keys():
+                log.info("unit no longer degraded", unit=name)
+            self.sup.degraded = degraded
+            self.sup.gpu_mib = usage
+            await asyncio.sleep(interval)
 
     def _on_signal(self, sig: int) -> None:
         assert self.shutdown_requested is not None

@@ -176,6 +176,8 @@ class Supervisor:
         self.shutting_down = False
         self.started_at = time.time()
         self.death_latencies_ms: collections.deque = collections.deque(maxlen=1000)
+        self.gpu_mib: dict[str, float] = {}  # unit -> GPU memory of its processes (last GPU watch)
+        self.degraded: dict[str, str] = {}  # unit -> why (gpu_min_free_mib)
 
     # ------------------------------------------------------------------ lookup
     def get(self, name: str) -> Unit:
@@ -410,6 +412,11 @@ class Supervisor:
         u.status_text = ""
         reason = f"restart {u.restarts} after: {u.last_exit}" if automatic else "starting"
         self._transition(u, S.STARTING, reason)
+        held = self._gpu_held_by_leftover(u)
+        if held:
+            self._record_failure(u, held)
+            self._transition(u, S.FAILED, self._failure_reason(u, held))
+            return
         r, w = os.pipe2(os.O_CLOEXEC)
         req = SpawnRequest(unit=u.name, argv=tuple(self._argv(spec)), env=self._env(u), cwd=spec.cwd,
                            user=spec.user, group=spec.group, rlimits=tuple(spec.limits))
@@ -436,6 +443,26 @@ class Supervisor:
         self._kick()  # a stop may have been waiting for the spawn to finish
         log.info("spawned", unit=u.name, pid=h.pid, argv=list(spec.exec))
         await self._await_ready(u, h)
+
+    def _gpu_held_by_leftover(self, u: Unit) -> str | None:
+        """A unit must not start on a GPU that a leftover omnid process still holds."""
+        backend = self.gpu
+        if backend is None or not u.spec.gpus or not getattr(backend, "available", False) \
+                or not getattr(backend, "pids_local", False):
+            return None
+        from omnid import gpu as gpu_mod
+
+        ours = {x.proc.pid for x in self.units.values() if x.proc is not None}
+        for holder in gpu_mod.holders_of(backend, u.spec.gpus):
+            if holder.pid in ours:
+                continue
+            tag = linux.read_environ_var(holder.pid, UNIT_TAG)
+            if tag is not None:
+                return (f"GPU {holder.gpu} is held by pid {holder.pid} ({holder.used_mib:.0f} MiB, a leftover "
+                        f"omnid process of unit {tag} not managed by this daemon): refusing to start")
+            log.warning("GPU used by a process outside omnid", unit=u.name, gpu=holder.gpu, pid=holder.pid,
+                        used_mib=holder.used_mib)
+        return None
 
     async def _await_ready(self, u: Unit, h: ProcessHandle) -> None:
         spec = u.spec
@@ -709,8 +736,9 @@ class Supervisor:
         spec = u.spec
         t0 = time.monotonic()
         rec = StopRecord(unit=u.name, signal=linux.signal_name(first), seconds=None, escalated=False)
-        extra = [s for s in find_residue(u.name, h.pgid, self.spawner.pid, self.token, table)
-                 if s.why != f"process group {h.pgid}"]
+        before = find_residue(u.name, h.pgid, self.spawner.pid, self.token, table)
+        extra = [s for s in before if s.why != f"process group {h.pgid}"]
+        every_pid = {h.pid, *(s.pid for s in before)}  # for the GPU release check
         h.signal_group(first)
         kill_survivors(extra, first)
         if send_cont:
@@ -738,7 +766,8 @@ class Supervisor:
             rec.unkillable = [s.describe() for s in leftovers]
             log.error("unkillable processes", unit=u.name, survivors=rec.unkillable)
         if self.gpu is not None and getattr(self.gpu, "available", False):
-            rec.gpu_release_ms = await self._gpu_release(h.pid, [s.pid for s in leftovers], spec.kill_timeout)
+            rec.gpu_release_ms = await self._gpu_release(h.pid, [*every_pid, *(s.pid for s in leftovers)],
+                                                         spec.kill_timeout)
         log.info("stopped", unit=u.name, signal=rec.signal, seconds=rec.seconds, escalated=rec.escalated,
                  residue=len(rec.residue), unkillable=len(rec.unkillable))
         return rec
@@ -881,7 +910,15 @@ class Supervisor:
         return problems
 
     def snapshot(self) -> list[dict]:
-        return [self.units[n].snapshot() for n in self.order]
+        out = []
+        for n in self.order:
+            snap = self.units[n].snapshot()
+            if n in self.gpu_mib:
+                snap["gpu_mib"] = self.gpu_mib[n]
+            if n in self.degraded:
+                snap["degraded"] = self.degraded[n]
+            out.append(snap)
+        return out
 
     def idle(self) -> bool:
         return all(u.op is None for u in self.units.values())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from omnid import linux
@@ -70,42 +71,76 @@ class Survivor:
         return f"pid {self.pid} ({self.comm}, state {self.state}, wchan {self.wchan}; {self.why})"
 
 
+def children_of(pid: int) -> list[int]:
+    """Direct children of a process, from /proc/PID/task/*/children (no full /proc scan)."""
+    out: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(x) for x in f.read().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return out
+
+
+def group_alive(pgid: int) -> bool:
+    """Is any process (zombies included) still in this process group?"""
+    if pgid <= 1:
+        return False
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 def find_residue(unit: str, pgid: int, spawner_pid: int, daemon_token: str | None = None,
-                 table: list[linux.ProcStat] | None = None) -> list[Survivor]:
+                 table: list[linux.ProcStat] | None = None, *, members: bool = True,
+                 mains: Container[int] = ()) -> list[Survivor]:
     """Every live process that belongs to `unit`: its group, its session, and
-    re-parented orphans (children of the subreaper spawner) tagged with its name."""
-    table = linux.scan() if table is None else table
+    re-parented orphans (children of the subreaper spawner) tagged with its name.
+
+    Cheap when the unit is gone (the common case): one killpg(0) and one read of
+    the spawner's children list; /proc is scanned only while the group lives.
+    `members=False` skips the group itself (the caller signals it with killpg);
+    `mains` are live unit main processes, never orphans, skipped unread."""
     out: list[Survivor] = []
-    by_parent: dict[int, list[linux.ProcStat]] = {}
-    for p in table:
-        by_parent.setdefault(p.ppid, []).append(p)
     seen: set[int] = set()
 
-    def add(p: linux.ProcStat, why: str) -> None:
-        if p.pid in seen or p.state in ("Z", "X"):
+    def add(p: linux.ProcStat | None, why: str) -> None:
+        if p is None or p.pid in seen or p.state in ("Z", "X"):
             # Zombies are dead; the spawner reaps them. They are not residue.
             return
         seen.add(p.pid)
         out.append(Survivor(p.pid, p.comm, p.state, linux.wchan(p.pid), why, p.start_time))
 
-    for p in table:
-        if pgid > 1 and p.pgid == pgid:
-            add(p, f"process group {pgid}")
-        elif pgid > 1 and p.sid == pgid:
-            add(p, f"session {pgid}")
-    for p in by_parent.get(spawner_pid, []):
-        if p.pgid == pgid or p.pid in seen:
+    if members and pgid > 1 and (table is not None or group_alive(pgid)):
+        for p in linux.scan() if table is None else table:
+            if p.pgid == pgid:
+                add(p, f"process group {pgid}")
+            elif p.sid == pgid:
+                add(p, f"session {pgid}")
+    for pid in children_of(spawner_pid):
+        if pid in seen or pid in mains or pid == pgid:
             continue
-        if linux.read_environ_var(p.pid, UNIT_TAG) == unit and (
-            daemon_token is None or linux.read_environ_var(p.pid, DAEMON_TAG) in (daemon_token, None)
-        ):
-            add(p, f"orphan tagged {unit}")
-            # Everything below an escaped orphan escaped with it.
-            stack = list(by_parent.get(p.pid, []))
-            while stack:
-                c = stack.pop()
-                add(c, f"descendant of orphan {p.pid}")
-                stack.extend(by_parent.get(c.pid, []))
+        if linux.read_environ_var(pid, UNIT_TAG) != unit:
+            continue
+        if daemon_token is not None and linux.read_environ_var(pid, DAEMON_TAG) not in (daemon_token, None):
+            continue
+        st = linux.read_stat(pid)
+        add(st, f"orphan tagged {unit}")
+        # Everything below an escaped orphan escaped with it.
+        stack = children_of(pid)
+        while stack:
+            c = stack.pop()
+            add(linux.read_stat(c), f"descendant of orphan {pid}")
+            stack.extend(children_of(c))
     return out
 
 

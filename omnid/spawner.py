@@ -31,6 +31,7 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 
 from omnid import linux
 
@@ -110,12 +111,29 @@ def _child_setup_and_exec(req: dict, out_fd: int, err_w: int, spawner_pid: int) 
             os._exit(127)
 
 
+@dataclass
+class Launch:
+    """A child forked but not yet known to have exec'd."""
+
+    rid: int
+    unit: str
+    pid: int
+    pidfd: int
+    start_time: int
+    err_r: int
+    error: bytes = b""
+    status: int | None = None  # set if it was reaped before its exec report went out
+
+
 class Spawner:
     def __init__(self, sock: socket.socket, daemon_pid: int) -> None:
         self.sock = sock
         self.daemon_pid = daemon_pid
         self.pid = os.getpid()
         self.units: dict[int, str] = {}  # pid of a unit main process -> unit name
+        self.launching: dict[int, Launch] = {}
+        self.by_errfd: dict[int, int] = {}
+        self.poller = select.poll()
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.stopping = False
 
@@ -135,6 +153,8 @@ class Spawner:
 
     # -- spawning -------------------------------------------------------------
     def spawn(self, req: dict, fds: list[int]) -> None:
+        """Fork and set up one child; its exec outcome is reported from the poll loop,
+        so many spawns overlap instead of each waiting for the previous exec."""
         out_fd = fds[0] if fds else os.open("/dev/null", os.O_WRONLY | os.O_CLOEXEC)
         for extra in fds[1:]:
             os.close(extra)
@@ -155,27 +175,44 @@ class Spawner:
         # Open the pidfd before anything can reap the child: the pid is pinned
         # (at worst a zombie) until this loop calls waitpid.
         pidfd = linux.pidfd_open(pid)
-        start_time = linux.start_time_of(pid) or 0
-        chunks = []
+        os.set_blocking(err_r, False)
+        self.launching[pid] = Launch(req["id"], req.get("unit", "?"), pid, pidfd,
+                                     linux.start_time_of(pid) or 0, err_r)
+        self.by_errfd[err_r] = pid
+        self.poller.register(err_r, select.POLLIN)
+
+    def exec_report(self, err_r: int) -> None:
+        """The child's close-on-exec error pipe is readable: an error text, or EOF (exec done)."""
+        pid = self.by_errfd[err_r]
+        launch = self.launching[pid]
         while True:
             try:
                 chunk = os.read(err_r, 4096)
-            except InterruptedError:
-                continue
+            except BlockingIOError:
+                return  # more to come
             if not chunk:
                 break
-            chunks.append(chunk)
+            launch.error += chunk
+        self.poller.unregister(err_r)
         os.close(err_r)
-        error = b"".join(chunks).decode(errors="replace")
-        if error:
-            os.close(pidfd)
-            # The child exits 127; it is reaped like any other and its exit is
-            # reported, but it never became a unit process.
-            self.send({"op": "spawn_failed", "id": req["id"], "error": error, "pid": pid})
-            return
-        self.units[pid] = req.get("unit", "?")
-        self.send({"op": "spawned", "id": req["id"], "pid": pid, "start_time": start_time}, [pidfd])
-        os.close(pidfd)
+        del self.by_errfd[err_r]
+        del self.launching[pid]
+        if launch.error:
+            os.close(launch.pidfd)
+            # It never became a unit process: its exit (127) is reported as adopted.
+            self.send({"op": "spawn_failed", "id": launch.rid, "pid": pid,
+                       "error": launch.error.decode(errors="replace")})
+            adopted = True
+        else:
+            self.units[pid] = launch.unit
+            self.send({"op": "spawned", "id": launch.rid, "pid": pid, "start_time": launch.start_time},
+                      [launch.pidfd])
+            os.close(launch.pidfd)
+            adopted = False
+        if launch.status is not None:
+            # It exited before its exec report went out: report the exit after it.
+            self.units.pop(pid, None)
+            self.send({"op": "exit", "pid": pid, "status": launch.status, "adopted": adopted})
 
     # -- reaping --------------------------------------------------------------
     def reap(self) -> None:
@@ -186,6 +223,9 @@ class Spawner:
                 return
             if pid == 0:
                 return
+            if pid in self.launching:
+                self.launching[pid].status = status
+                continue
             adopted = self.units.pop(pid, None) is None
             self.send({"op": "exit", "pid": pid, "status": status, "adopted": adopted})
 
@@ -226,16 +266,17 @@ class Spawner:
         if os.getppid() != self.daemon_pid:
             return self.cleanup()  # the daemon died before PDEATHSIG was armed
         self.send({"op": "hello", "pid": self.pid})
-        poller = select.poll()
-        poller.register(self.sock, select.POLLIN)
-        poller.register(self.wake_r, select.POLLIN)
+        self.poller.register(self.sock, select.POLLIN)
+        self.poller.register(self.wake_r, select.POLLIN)
         while not self.stopping:
-            for fd, _ev in poller.poll():
+            for fd, _ev in self.poller.poll():
                 if fd == self.wake_r:
                     sigs = os.read(self.wake_r, 512)
                     if signal.SIGHUP in sigs:
                         self.stopping = True
                     self.reap()
+                elif fd in self.by_errfd:
+                    self.exec_report(fd)
                 else:
                     self.handle_request()
             self.reap()
@@ -258,6 +299,7 @@ class Spawner:
                 except ProcessLookupError:
                     pass
             self.units.clear()
+            self.launching.clear()
             self.reap()
             if not [p for p in linux.scan() if p.ppid == self.pid]:
                 break

@@ -27,7 +27,7 @@ import structlog
 from omnid import linux
 from omnid.output import UnitOutput
 from omnid.probes import ProbeFailed, http_probe, tcp_probe
-from omnid.process import DAEMON_TAG, UNIT_TAG, ProcessHandle, Survivor, find_residue, kill_survivors
+from omnid.process import DAEMON_TAG, UNIT_TAG, ProcessHandle, Survivor, find_residue, group_alive, kill_survivors
 from omnid.spawnclient import ExitReport, SpawnError, SpawnerClient, SpawnRequest
 from omnid.states import RUNNING, Goal, UnitState, check_transition
 from omnid.units import Stack
@@ -123,16 +123,7 @@ class Unit:
         }
 
 
-def _group_alive(pgid: int) -> bool:
-    if pgid <= 1:
-        return False
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+_group_alive = group_alive
 
 
 class Supervisor:
@@ -360,7 +351,12 @@ class Supervisor:
                 # Never leave a unit half-managed: treat it as failed.
                 u.op = None
                 u.op_kind = ""
-                self._launch(u, "fail", self._fail(u, f"internal error during {kind}", hang=True))
+                what = f"internal error during {kind}"
+                if u.proc is None:  # crashed before a process existed: nothing to stop
+                    self._record_failure(u, what)
+                    self._transition(u, S.FAILED, self._failure_reason(u, what))
+                else:
+                    self._launch(u, "fail", self._fail_alive(u, what))
                 return
         finally:
             if u.op is asyncio.current_task():
@@ -437,7 +433,7 @@ class Supervisor:
         self._by_pid[h.pid] = (u, h)
         early = self._early_exits.pop(h.pid, None)
         if early is not None:
-            self._on_exit_report(early)
+            self.on_exit_report(early)
         asyncio.get_running_loop().add_reader(h.pidfd, self._on_pidfd, u, h)
         self.on_pids_changed()
         self._kick()  # a stop may have been waiting for the spawn to finish
@@ -660,15 +656,14 @@ class Supervisor:
             what += " after STOPPING=1"
         what = f"{what} (pid {h.pid}, while {u.state.value})"
         self._record_failure(u, what)
-        table = linux.scan()
-        leftovers = find_residue(u.name, h.pgid, self.spawner.pid, self.token, table)
+        leftovers = self._residue(u, h)
         if leftovers:
             # A half-dead unit never lingers: SIGKILL its group and escaped orphans now.
             h.signal_group(signal.SIGKILL)
             kill_survivors(leftovers)
             self._transition(u, S.STOPPING, f"{what}; killing {len(leftovers)} leftover process(es)")
             await self._wait_gone(u, h, time.monotonic() + u.spec.kill_timeout)
-            left = find_residue(u.name, h.pgid, self.spawner.pid, self.token)
+            left = self._residue(u, h)
             if left:
                 log.error("unkillable processes after failure", unit=u.name,
                           survivors=[s.describe() for s in left])
@@ -693,9 +688,8 @@ class Supervisor:
 
     # -------------------------------------------------------------------- stop
     def _launch_stop(self, batch: list[tuple[Unit, str]]) -> None:
-        table = linux.scan()  # one /proc pass for the whole tier
         for u, why in batch:
-            self._launch(u, "stop", self._stop(u, why, table))
+            self._launch(u, "stop", self._stop(u, why))
 
     async def _stop(self, u: Unit, why: str, table: list[linux.ProcStat] | None = None) -> None:
         h = u.proc
@@ -717,6 +711,10 @@ class Supervisor:
             final = f"{why}; UNKILLABLE: {'; '.join(rec.unkillable)}"
         self._transition(u, S.INACTIVE, final)
 
+    def _residue(self, u: Unit, h: ProcessHandle, members: bool = True) -> list[Survivor]:
+        mains = self._by_pid.keys() - {h.pid}
+        return find_residue(u.name, h.pgid, self.spawner.pid, self.token, members=members, mains=mains)
+
     async def _wait_gone(self, u: Unit, h: ProcessHandle, deadline: float) -> bool:
         """Wait until the main process is reaped and the process group is empty, or the deadline."""
         try:
@@ -736,9 +734,11 @@ class Supervisor:
         spec = u.spec
         t0 = time.monotonic()
         rec = StopRecord(unit=u.name, signal=linux.signal_name(first), seconds=None, escalated=False)
-        before = find_residue(u.name, h.pgid, self.spawner.pid, self.token, table)
-        extra = [s for s in before if s.why != f"process group {h.pgid}"]
-        every_pid = {h.pid, *(s.pid for s in before)}  # for the GPU release check
+        # Escaped orphans get the stop signal too; the group gets it by killpg.
+        extra = self._residue(u, h, members=False)
+        every_pid = {h.pid, *(s.pid for s in extra)}  # for the GPU release check
+        if self.gpu is not None and getattr(self.gpu, "available", False):
+            every_pid.update(s.pid for s in self._residue(u, h))
         h.signal_group(first)
         kill_survivors(extra, first)
         if send_cont:
@@ -748,20 +748,20 @@ class Supervisor:
             rec.escalated = True
             t_kill = time.monotonic()
             h.signal_group(signal.SIGKILL)
-            kill_survivors(find_residue(u.name, h.pgid, self.spawner.pid, self.token))
+            kill_survivors(self._residue(u, h, members=False))
             log.warning("stop timeout: sent SIGKILL", unit=u.name, after_s=round(t_kill - t0, 3))
             gone = await self._wait_gone(u, h, t_kill + spec.kill_timeout)
         if h.reaped.is_set():
             rec.seconds = round(time.monotonic() - t0, 4)
         # Orphans that escaped the group (double fork + setsid) die too.
-        leftovers = find_residue(u.name, h.pgid, self.spawner.pid, self.token)
+        leftovers = self._residue(u, h)
         if leftovers:
             rec.residue = [s.describe() for s in leftovers]
             kill_survivors(leftovers)
             deadline = time.monotonic() + spec.kill_timeout
             while leftovers and time.monotonic() < deadline:
                 await asyncio.sleep(GROUP_POLL_S * 2)
-                leftovers = find_residue(u.name, h.pgid, self.spawner.pid, self.token)
+                leftovers = self._residue(u, h)
         if leftovers:
             rec.unkillable = [s.describe() for s in leftovers]
             log.error("unkillable processes", unit=u.name, survivors=rec.unkillable)

@@ -121,7 +121,7 @@ class Daemon:
     def _schedule_state_write(self) -> None:
         # Coalesce: 256 spawns in a burst write the file a few times, not 256.
         if self._state_write is None:
-            self._state_write = asyncio.get_running_loop().call_later(0.02, self._write_state)
+            self._state_write = asyncio.get_running_loop().call_later(0.1, self._write_state)
 
     def _write_state(self) -> None:
         self._state_write = None

@@ -1,22 +1,22 @@
 """Linux process primitives: prctl, pidfds, /proc reads (DESIGN.md Part 1, "Tracking").
 
 Everything kernel-specific that the daemon and the spawner share lives here, so
-the rest of omnid speaks of processes, not of syscalls. Stdlib only: the spawner
-imports this and must stay small and thread-free.
+the rest of omnid speaks of processes, not of syscalls. The spawner imports this
+and must stay small: fork copies page tables, so every module it imports makes
+every spawn slower (no dataclasses, no ctypes.util).
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import signal
-from dataclasses import dataclass
+from typing import NamedTuple
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)  # the interpreter already links libc
 _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 _libc.prctl.restype = ctypes.c_int
 
@@ -69,8 +69,7 @@ def describe_wait_status(status: int) -> tuple[int | None, int | None, str]:
     return None, None, f"unknown wait status {status:#x}"
 
 
-@dataclass(frozen=True)
-class ProcStat:
+class ProcStat(NamedTuple):
     """The fields of /proc/PID/stat that supervision needs."""
 
     pid: int

@@ -31,7 +31,6 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
 
 from omnid import linux
 
@@ -111,18 +110,17 @@ def _child_setup_and_exec(req: dict, out_fd: int, err_w: int, spawner_pid: int) 
             os._exit(127)
 
 
-@dataclass
 class Launch:
-    """A child forked but not yet known to have exec'd."""
+    """A child forked but not yet known to have exec'd. (A plain class: no dataclasses
+    import in the spawner, see omnid/linux.py.)"""
 
-    rid: int
-    unit: str
-    pid: int
-    pidfd: int
-    start_time: int
-    err_r: int
-    error: bytes = b""
-    status: int | None = None  # set if it was reaped before its exec report went out
+    __slots__ = ("rid", "unit", "pid", "pidfd", "start_time", "err_r", "error", "status")
+
+    def __init__(self, rid: int, unit: str, pid: int, pidfd: int, start_time: int, err_r: int) -> None:
+        self.rid, self.unit, self.pid, self.pidfd = rid, unit, pid, pidfd
+        self.start_time, self.err_r = start_time, err_r
+        self.error = b""
+        self.status: int | None = None  # set if it was reaped before its exec report went out
 
 
 class Spawner:

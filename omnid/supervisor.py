@@ -437,7 +437,7 @@ class Supervisor:
         asyncio.get_running_loop().add_reader(h.pidfd, self._on_pidfd, u, h)
         self.on_pids_changed()
         self._kick()  # a stop may have been waiting for the spawn to finish
-        log.info("spawned", unit=u.name, pid=h.pid, argv=list(spec.exec))
+        log.debug("spawned", unit=u.name, pid=h.pid, argv=list(spec.exec))
         await self._await_ready(u, h)
 
     def _gpu_held_by_leftover(self, u: Unit) -> str | None:

@@ -375,3 +375,27 @@ def test_python_units_are_titled_and_every_unit_carries_its_tag(tmp_path, daemon
     assert open(f"/proc/{d.pid}/cmdline", "rb").read().startswith(b"omnid: daemon ")
     spawner = d.ok("status")["daemon"]["spawner_pid"]
     assert open(f"/proc/{spawner}/cmdline", "rb").read().startswith(b"omnid: spawner")
+
+
+def test_cli_start_runs_a_background_daemon_until_ready_and_stop_leaves_nothing(tmp_path):
+    from tests.harness import free_port
+
+    stack, _out = three_tier(tmp_path, delay=0.01)
+    control = str(tmp_path / "c.sock")
+    base = [PY, "-m", "omnid", "--control", control]
+    r = subprocess.run([*base, "start", "-u", str(stack), "--state-dir", str(tmp_path / "state"),
+                        "--health-listen", f"127.0.0.1:{free_port()}", "--timeout", "60"],
+                       capture_output=True, text=True, timeout=90)
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "ready in" in r.stdout and "serve: active" in r.stdout  # progress, then the table
+        st = json.loads(subprocess.run([*base, "status", "--json"], capture_output=True, text=True,
+                                       timeout=30).stdout)
+        pids = [u["pid"] for u in st["units"]]
+        assert all(alive(p) for p in pids)
+    finally:
+        stop = subprocess.run([*base, "stop"], capture_output=True, text=True, timeout=90)
+    assert stop.returncode == 0, stop.stderr
+    assert "serve" in stop.stdout and "SIGTERM" in stop.stdout
+    assert not any(alive(p) for p in pids)
+    assert not os.path.exists(control)

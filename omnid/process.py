@@ -29,6 +29,7 @@ class ProcessHandle:
     pgid: int
     start_time: int
     exit_status: int | None = None
+    exit_seen: float = 0.0  # monotonic time the pidfd turned readable
     # Set when the spawner reports the exit (i.e. after the process was reaped).
     reaped: asyncio.Event = field(default_factory=asyncio.Event)
     # Set when the pidfd turned readable (the process exited; maybe not yet reaped).

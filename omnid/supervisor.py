@@ -163,6 +163,7 @@ class Supervisor:
         self._converge_pending = False
         self._changed = asyncio.Condition()
         self._change_seq = 0
+        self._waker: asyncio.Task | None = None
         self.invariant_violations: list[str] = []
         self.shutting_down = False
         self.started_at = time.time()
@@ -215,13 +216,16 @@ class Supervisor:
         self._kick()
 
     def _notify_changed(self) -> None:
+        """Wake every wait_until(); coalesced into one task per loop iteration."""
         self._change_seq += 1
+        if self._waker is not None and not self._waker.done():
+            return
 
         async def wake() -> None:
             async with self._changed:
                 self._changed.notify_all()
 
-        asyncio.get_running_loop().create_task(wake())
+        self._waker = asyncio.get_running_loop().create_task(wake())
 
     async def wait_until(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
         async def waiter() -> None:
@@ -593,7 +597,7 @@ class Supervisor:
     # -------------------------------------------------------------- death path
     def _on_pidfd(self, u: Unit, h: ProcessHandle) -> None:
         asyncio.get_running_loop().remove_reader(h.pidfd)
-        h.exit_seen = time.monotonic()  # type: ignore[attr-defined]
+        h.exit_seen = time.monotonic()
         h.exited.set()
         if u.proc is not h:
             return
@@ -642,7 +646,7 @@ class Supervisor:
 
     async def _fail_after_exit(self, u: Unit, h: ProcessHandle) -> None:
         """The main process exited while nobody asked: kill what is left of the unit at once, then failed."""
-        t_wake = getattr(h, "exit_seen", time.monotonic())
+        t_wake = h.exit_seen or time.monotonic()
         try:
             await asyncio.wait_for(h.reaped.wait(), 2.0)
         except asyncio.TimeoutError:

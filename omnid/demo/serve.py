@@ -1,0 +1,331 @@
+"""Reference serve (units/demo/serve.toml): the HTTP front of the demo stack.
+
+Run as ``python -m omnid.demo.serve``. aiohttp on ``OMNID_DEMO_SERVE_HOST``:
+``OMNID_DEMO_SERVE_PORT`` (127.0.0.1:8000):
+
+- ``POST /v1/generate`` ``{"prompt": str, "max_ms"?: int}`` -> 200
+  ``{"text", "worker", "ms"}``, or a 4xx/5xx ``{"error": {"code", "message"}}``;
+- ``GET /health`` -> 200 while the engine is connected and has workers, else 503
+  with the reason (the readiness probe of the unit).
+
+Failure behaviour (FAILURE_MATRIX "fails fast"): no request ever waits for the
+client's own timeout. When the engine's connection closes (socket monitor) or
+its heartbeat stops for ~0.5 s, every in-flight request is answered 503 at
+once; on SIGTERM/SIGINT the listener closes first, then every in-flight request
+is answered 503 and the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import zmq
+import zmq.asyncio
+from aiohttp import web
+from zmq.utils.monitor import parse_monitor_message
+
+from omnid.demo import protocol
+from omnid.demo.sdnotify import Notifier
+
+log = protocol.setup_logging("omnid.demo.serve")
+
+MAX_PROMPT_CHARS = 64 * 1024
+DISCONNECT_GRACE_S = 0.05
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    unit: str
+    host: str
+    port: int
+    engine: str
+    deadline_s: float
+
+    @classmethod
+    def from_env(cls) -> "ServeConfig":
+        return cls(
+            unit=protocol.unit_name("serve"),
+            host=protocol.env_str("OMNID_DEMO_SERVE_HOST", protocol.DEFAULT_HOST),
+            port=protocol.env_int("OMNID_DEMO_SERVE_PORT", protocol.DEFAULT_SERVE_PORT, 1),
+            engine=protocol.engine_endpoint(),
+            deadline_s=protocol.env_float("OMNID_DEMO_DEADLINE_S", 30.0, 0.001),
+        )
+
+
+class RequestFailed(Exception):
+    """A request that ends with an HTTP error; ``message`` is never empty."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+def _status_for(code: str) -> int:
+    # A worker that failed mid-request is a bad upstream answer; anything else means "not now".
+    return 502 if code.startswith("worker_") else 503
+
+
+class EngineClient:
+    """The DEALER link to the engine, and the requests waiting on it."""
+
+    def __init__(self, config: ServeConfig, on_crash: Callable[[str], None]) -> None:
+        self.config = config
+        self.on_crash = on_crash
+        self.context = zmq.asyncio.Context(io_threads=1)
+        self.socket = self.context.socket(zmq.DEALER)
+        # Not IMMEDIATE: with it, libzmq drops what the engine sent just before closing (its own
+        # error for each request). Requests are only sent while the engine is connected anyway.
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RECONNECT_IVL, 100)
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self.socket.connect(config.engine)
+        self.pending: dict[int, tuple[asyncio.Future[dict[str, Any]], float]] = {}
+        self.ids = itertools.count(1)
+        self.link_up = False  # from the monitor: a handshake and no disconnect since
+        self.last_heartbeat = 0.0
+        self.engine: dict[str, Any] = {}  # the engine's last heartbeat: its worker and queue counts
+        self.lost_reason = ""
+        self.tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def connected(self) -> bool:
+        return self.link_up and time.monotonic() - self.last_heartbeat <= protocol.LOST_AFTER_S
+
+    def start(self) -> None:
+        self.tasks = [asyncio.create_task(coro, name=coro.__name__)
+                      for coro in (self._receive(), self._watch_link(), self._tick())]
+        for task in self.tasks:
+            task.add_done_callback(self._crashed)
+
+    def _crashed(self, task: asyncio.Task[None]) -> None:
+        # Without its receiver or its loss checks the serve would hang requests: exit instead.
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task %s failed: %r", task.get_name(), task.exception())
+            self.on_crash(f"task {task.get_name()} failed")
+
+    async def close(self) -> None:
+        if self.connected:
+            self._send({"type": "bye"})  # lets the engine cancel what it still runs for us
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
+        self.socket.close(linger=100)
+        self.context.term()
+
+    def health(self) -> tuple[bool, str]:
+        if not self.link_up:
+            return False, f"engine not connected ({self.config.engine})"
+        if not self.connected:
+            return False, self.lost_reason or "no heartbeat from the engine yet"
+        if not self.engine.get("workers"):
+            return False, "engine has no workers"
+        return True, "ok"
+
+    async def generate(self, prompt: str, max_ms: int | None) -> dict[str, Any]:
+        if not self.connected:
+            _, reason = self.health()
+            raise RequestFailed(503, "engine_unavailable", reason)
+        rid = next(self.ids)
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        message: dict[str, Any] = {"type": "generate", "rid": rid, "prompt": prompt}
+        if max_ms is not None:
+            message["max_ms"] = max_ms
+        if not self._send(message):
+            raise RequestFailed(503, "engine_unavailable", f"engine at {self.config.engine} not accepting requests")
+        self.pending[rid] = (future, time.monotonic())
+        try:
+            return await asyncio.wait_for(future, self.config.deadline_s)
+        except asyncio.TimeoutError:
+            self._send({"type": "cancel", "rid": rid})
+            raise RequestFailed(504, "deadline_exceeded",
+                                f"request {rid} not answered within {self.config.deadline_s:g} s") from None
+        finally:
+            self.pending.pop(rid, None)
+
+    def fail_all(self, code: str, reason: str) -> None:
+        """Answer every in-flight request with an error now."""
+        waiting = [(rid, future, since) for rid, (future, since) in self.pending.items() if not future.done()]
+        if waiting:
+            log.warning("failing %d in-flight request(s): %s", len(waiting), reason)
+        now = time.monotonic()
+        for rid, future, since in waiting:
+            future.set_exception(RequestFailed(
+                503, code, f"{reason} while request {rid} was in flight ({now - since:.2f} s)"))
+
+    def _send(self, message: dict[str, Any]) -> bool:
+        # False on EAGAIN: the queue towards the engine is full (it stopped reading).
+        return protocol.send_now(self.socket, [protocol.encode(message)]) is None
+
+    def _lose_engine(self, code: str, reason: str) -> None:
+        if self.connected or self.last_heartbeat:
+            log.warning("engine lost: %s", reason)
+        self.last_heartbeat = 0.0  # only a fresh heartbeat makes it connected again
+        self.lost_reason = reason
+        self.fail_all(code, reason)
+
+    async def _receive(self) -> None:
+        while True:
+            frame = await self.socket.recv()
+            message = protocol.decode(frame)
+            if message is None:
+                log.warning("dropped a malformed message from the engine (%d bytes)", len(frame))
+                continue
+            kind = message["type"]
+            if kind == "heartbeat":
+                if self.link_up and not self.connected:
+                    log.info("engine connected (pid %s, %s worker(s))", message.get("pid"), message.get("workers"))
+                self.last_heartbeat = time.monotonic()
+                self.engine = message
+            elif kind in ("result", "error"):
+                rid = message.get("rid")
+                entry = self.pending.get(rid) if isinstance(rid, int) else None
+                if entry is None or entry[0].done():
+                    continue  # answered already (deadline, engine loss): late news is dropped
+                if kind == "result":
+                    entry[0].set_result(message)
+                else:
+                    error = message.get("error") or {}
+                    code = str(error.get("code") or "engine_error")
+                    text = str(error.get("message") or f"engine failed request {message.get('rid')}")
+                    entry[0].set_exception(RequestFailed(_status_for(code), code, text))
+            elif kind == "stopping":
+                self._lose_engine("engine_stopping", str(message.get("reason") or "engine stopping"))
+            else:
+                log.warning("ignored a %r message from the engine", kind)
+
+    async def _watch_link(self) -> None:
+        while True:
+            event = parse_monitor_message(await self.monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.link_up = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.link_up = False  # new requests get a 503 from now on
+                # The engine's last words (its own errors for each request) may still be queued
+                # behind this event; let the receiver read them before failing the rest.
+                await asyncio.sleep(DISCONNECT_GRACE_S)
+                if not self.link_up:
+                    self._lose_engine("engine_lost", "engine connection closed")
+
+    async def _tick(self) -> None:
+        next_heartbeat = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= next_heartbeat and self.link_up:  # while down, they would only pile up
+                self._send({"type": "heartbeat"})
+                next_heartbeat = now + protocol.HEARTBEAT_S
+            if self.last_heartbeat and now - self.last_heartbeat > protocol.LOST_AFTER_S:
+                self._lose_engine("engine_lost", f"engine silent for {now - self.last_heartbeat:.2f} s")
+            await asyncio.sleep(protocol.CHECK_S)
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+class ServeApp:
+    def __init__(self, config: ServeConfig, engine: EngineClient) -> None:
+        self.config = config
+        self.engine = engine
+        self.stopping: str | None = None
+        self.app = web.Application(client_max_size=1 << 20)
+        self.app.add_routes([web.post("/v1/generate", self.generate), web.get("/health", self.health)])
+
+    async def generate(self, request: web.Request) -> web.Response:
+        if self.stopping:
+            return _error(503, "serve_stopping", f"{self.config.unit} stopping ({self.stopping})")
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "bad_request", "body is not JSON")
+        if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
+            return _error(400, "bad_request", 'expected {"prompt": string, "max_ms"?: integer}')
+        prompt = body["prompt"]
+        max_ms = body.get("max_ms")
+        if max_ms is not None and (not isinstance(max_ms, int) or isinstance(max_ms, bool) or max_ms <= 0):
+            return _error(400, "bad_request", "max_ms must be a positive integer")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            return _error(400, "bad_request", f"prompt longer than {MAX_PROMPT_CHARS} characters")
+        started = time.monotonic()
+        try:
+            answer = await self.engine.generate(prompt, max_ms)
+        except RequestFailed as failure:
+            return _error(failure.status, failure.code, failure.message)
+        return web.json_response({"text": answer.get("text", ""), "worker": answer.get("worker"),
+                                  "ms": answer.get("ms"),
+                                  "latency_ms": round((time.monotonic() - started) * 1000)})
+
+    async def health(self, _request: web.Request) -> web.Response:
+        if self.stopping:
+            return web.json_response({"status": "stopping", "reason": self.stopping}, status=503)
+        ok, reason = self.engine.health()
+        engine = {k: v for k, v in self.engine.engine.items() if k != "type"} if self.engine.connected else {}
+        return web.json_response({"status": "ok" if ok else "unavailable", "reason": reason, "engine": engine},
+                                 status=200 if ok else 503)
+
+
+async def serve_forever(config: ServeConfig) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    received: list[str] = []  # why we stop: a signal name, or the internal failure
+    crashed: list[str] = []
+
+    def on_signal(signum: signal.Signals) -> None:
+        received.append(signum.name)
+        protocol.note_stop_signal(signum)
+        stop.set()
+
+    def on_crash(why: str) -> None:
+        received.append(why)
+        crashed.append(why)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+
+    engine = EngineClient(config, on_crash)
+    engine.start()
+    serve = ServeApp(config, engine)
+    # shutdown_timeout bounds the wait for handlers after the listener closes; by then they are answered.
+    runner = web.AppRunner(serve.app, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    try:
+        await site.start()
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
+        await runner.cleanup()
+        await engine.close()
+        return 1
+    notifier = Notifier.from_env()  # only used when the unit says ready = "notify"
+    notifier.ready(status=f"listening on http://{config.host}:{config.port}")
+    log.info("%s listening on http://%s:%d, engine %s", config.unit, config.host, config.port, config.engine)
+
+    await stop.wait()
+    why = received[0] if received else "stop"
+    serve.stopping = why
+    started = time.monotonic()
+    notifier.stopping()
+    await site.stop()  # stop accepting first, so no new request slips in behind the failures
+    engine.fail_all("serve_stopping", f"{config.unit} stopping ({why})")
+    await runner.cleanup()
+    await engine.close()
+    notifier.close()
+    log.info("stopped on %s in %.3f s", why, time.monotonic() - started)
+    return 1 if crashed else 0
+
+
+def main() -> None:
+    protocol.exit_process(asyncio.run(serve_forever(ServeConfig.from_env())))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,525 @@
+"""The failure matrix (shared/FAILURE_MATRIX.md) on the reference stack: one test per
+row, named after it. Every row checks the kernel (/proc), not omnid's word alone.
+
+Figures each row measured (death -> failed, worst in-flight end) are appended
+to $OMNID_MATRIX_REPORT when set (python -m tests.failure_matrix collects them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from omnid import linux
+from omnid.gpu import write_fake_gpu_file
+from tests.failure_matrix.harness import DemoStack, Load, serve_refuses
+from tests.harness import alive, wait_for
+
+pytestmark = pytest.mark.matrix
+
+PY = sys.executable
+
+
+def report(row: str, **figures) -> None:
+    path = os.environ.get("OMNID_MATRIX_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"row": row, **figures}) + "\n")
+
+
+@pytest.fixture
+def stack_factory(daemon_factory):
+    made: list[DemoStack] = []
+
+    def make(restart: str = "no", overrides=None, extra_units=None, env=None):
+        s = DemoStack(restart, overrides)
+        for name, text in (extra_units or {}).items():
+            (s.dir / f"{name}.toml").write_text(text)
+        s.env.update(env or {})
+        made.append(s)
+        d = s.daemon(daemon_factory)
+        return s, d
+
+    yield make
+    for s in made:
+        s.cleanup()
+
+
+def stack_pids(d) -> dict[str, int]:
+    return {n: u["pid"] for n, u in d.units().items() if u["pid"]}
+
+
+def tree_of(pid: int) -> list[int]:
+    from omnid.process import children_of
+
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children_of(p))
+    return out
+
+
+def no_residue(pids) -> bool:
+    return not any(alive(p) for p in pids)
+
+
+def state_events(d) -> list[dict]:
+    return [e for e in d.log_events() if e.get("event") == "unit state"]
+
+
+def first_event(d, unit: str, to: str, after_ts: str = "") -> dict | None:
+    for e in state_events(d):
+        if e["unit"] == unit and e["to"] == to and e["timestamp"] >= after_ts:
+            return e
+    return None
+
+
+def kill_and_time_failed(d, unit: str, sig: int) -> float:
+    """Signal a unit's main process; return ms until omnid published `failed` for it."""
+    sub = d.events_socket()
+    # Slow joiner: prove the subscription is live before the fault.
+    wait_for(lambda: (d.ok("status"), sub.poll(0) or True)[1], 1, "subscription")
+    pid = d.unit(unit)["pid"]
+    t0 = time.monotonic()
+    fd = os.pidfd_open(pid)
+    signal.pidfd_send_signal(fd, sig)
+    os.close(fd)
+    try:
+        deadline = t0 + 10
+        while time.monotonic() < deadline:
+            if sub.poll(100):
+                ev = json.loads(sub.recv())
+                if ev["unit"] == unit and ev["to"] == "failed":
+                    return (time.monotonic() - t0) * 1000
+        raise AssertionError(f"{unit} not failed 10 s after {signal.Signals(sig).name}")
+    finally:
+        sub.close(0)
+
+
+def assert_dependents_stopped_in_order(d) -> None:
+    evs = state_events(d)
+    serve = [e for e in evs if e["unit"] == "serve" and e["to"] == "inactive"]
+    engine_stopping = [e for e in evs if e["unit"] == "engine" and e["to"] == "stopping"]
+    assert serve and engine_stopping, "serve and engine were not both stopped"
+    assert serve[-1]["timestamp"] <= engine_stopping[-1]["timestamp"], "engine stopped before serve had exited"
+
+
+# ----------------------------------------------------------------- worker faults
+
+
+def _worker_fault(stack_factory, row: str, sig: int, restart: str, load: bool) -> None:
+    s, d = stack_factory(restart=restart)
+    d.wait_all_active(120)
+    ld = Load(s.serve_port).start() if load else None
+    try:
+        if ld:
+            ld.wait_successes(4)
+        old = stack_pids(d)
+        victim_tree = tree_of(old["worker@0"])
+        fault = time.monotonic()
+        ms = kill_and_time_failed(d, "worker@0", sig)
+        w = d.unit("worker@0")
+        assert w["state"] in ("failed", "starting", "active")  # on-failure may already be back
+        name = signal.Signals(sig).name
+        code, body = d.http("/health")
+        if restart == "no":
+            assert code == 503
+            assert name in body["units"]["worker@0"]["reason"]
+            wait_for(lambda: d.unit("serve")["state"] == "inactive" and d.unit("engine")["state"] == "inactive",
+                     15, "serve and engine stopped")
+            assert_dependents_stopped_in_order(d)
+            wait_for(lambda: no_residue(victim_tree), 5, "no residue of the worker")
+            # Stable: still failed and 503 a while later.
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline:
+                assert d.http("/health")[0] == 503
+                assert d.unit("worker@0")["state"] == "failed"
+                time.sleep(0.1)
+        else:
+            wait_for(lambda: d.http("/health")[0] == 200, 120, "the stack back to 200 by itself")
+            new = stack_pids(d)
+            assert new["worker@0"] != old["worker@0"] and d.unit("worker@0")["restarts"] >= 1
+            assert_dependents_stopped_in_order(d)
+            assert no_residue(victim_tree)
+        figures = {"failed_ms": round(ms, 1)}
+        if ld:
+            ld.stop()
+            figures.update(ld.check_fail_fast(fault))
+        report(row, **figures)
+    finally:
+        if ld:
+            ld.stop()
+
+
+@pytest.mark.parametrize("restart", ["no", "on-failure"])
+def test_fm01_sigkill_worker(stack_factory, restart):
+    _worker_fault(stack_factory, f"FM-01 ({restart})", signal.SIGKILL, restart, load=False)
+
+
+@pytest.mark.parametrize("restart", ["no", "on-failure"])
+def test_fm02_sigterm_worker(stack_factory, restart):
+    _worker_fault(stack_factory, f"FM-02 ({restart})", signal.SIGTERM, restart, load=False)
+
+
+def test_fm08_sigkill_worker_under_load(stack_factory):
+    _worker_fault(stack_factory, "FM-08", signal.SIGKILL, "on-failure", load=True)
+
+
+def test_fm09_sigterm_worker_under_load(stack_factory):
+    _worker_fault(stack_factory, "FM-09", signal.SIGTERM, "on-failure", load=True)
+
+
+# ------------------------------------------------------------------ serve faults
+
+
+def _serve_fault(stack_factory, row: str, sig: int, load: bool, restart: str = "on-failure") -> None:
+    s, d = stack_factory(restart=restart)
+    d.wait_all_active(120)
+    ld = Load(s.serve_port).start() if load else None
+    try:
+        if ld:
+            ld.wait_successes(4)
+        old = stack_pids(d)
+        serve_tree = tree_of(old["serve"])
+        fault = time.monotonic()
+        ms = kill_and_time_failed(d, "serve", sig)
+        wait_for(lambda: no_residue(serve_tree), 5, "the serve and its children gone")
+        assert d.unit("engine")["pid"] == old["engine"]  # the engine does not depend on the serve
+        if restart == "no":
+            assert d.unit("serve")["state"] == "failed"
+            assert signal.Signals(sig).name in d.http("/health")[1]["units"]["serve"]["reason"]
+        else:
+            wait_for(lambda: d.http("/health")[0] == 200, 60, "the serve back by itself")
+        figures = {"failed_ms": round(ms, 1)}
+        if ld:
+            ld.stop()
+            figures.update(ld.check_fail_fast(fault))
+        report(row, **figures)
+    finally:
+        if ld:
+            ld.stop()
+
+
+def test_fm03_sigkill_serve(stack_factory):
+    _serve_fault(stack_factory, "FM-03", signal.SIGKILL, load=False, restart="no")
+
+
+def test_fm04_sigterm_serve(stack_factory):
+    _serve_fault(stack_factory, "FM-04", signal.SIGTERM, load=False)
+
+
+def test_fm05_sigint_serve(stack_factory):
+    _serve_fault(stack_factory, "FM-05", signal.SIGINT, load=False)
+
+
+def test_fm10_sigkill_serve_under_load(stack_factory):
+    _serve_fault(stack_factory, "FM-10", signal.SIGKILL, load=True)
+
+
+def test_fm11_sigterm_serve_under_load(stack_factory):
+    _serve_fault(stack_factory, "FM-11", signal.SIGTERM, load=True)
+
+
+def test_fm12_sigint_serve_under_load(stack_factory):
+    _serve_fault(stack_factory, "FM-12", signal.SIGINT, load=True)
+
+
+# ------------------------------------------------------------ whole-stack faults
+
+
+def _everything(d) -> list[int]:
+    spawner = d.ok("status")["daemon"]["spawner_pid"]
+    pids = [d.pid, spawner]
+    for p in stack_pids(d).values():
+        pids.extend(tree_of(p))
+    return pids
+
+
+def _sigkill_everything(stack_factory, row: str, load: bool, daemon_factory) -> None:
+    s, d = stack_factory()
+    d.wait_all_active(120)
+    ld = Load(s.serve_port).start() if load else None
+    try:
+        if ld:
+            ld.wait_successes(4)
+        pids = _everything(d)
+        fault = time.monotonic()
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)  # pids of processes this test's daemon spawned
+            except ProcessLookupError:
+                pass
+        d.wait_exit(10)
+        wait_for(lambda: no_residue(pids), 5, "nothing of the stack left")
+        figures = {}
+        if ld:
+            ld.stop()
+            figures.update(ld.check_fail_fast(fault))
+        # The next start succeeds at once on the same state dir and ports.
+        from tests.harness import Daemon
+
+        d2 = Daemon(s.dir, env=s.env)
+        d2.workdir, d2.control, d2.state_dir, d2.health_port = d.workdir, d.control, d.state_dir, d.health_port
+        d2.log_path = d.workdir / "daemon2.log"
+        try:
+            d2.start()
+            d2.wait_all_active(120)
+            assert d2.http("/health")[0] == 200
+        finally:
+            d2.workdir = d.workdir / "second"
+            d2.close()
+        report(row, **figures)
+    finally:
+        if ld:
+            ld.stop()
+
+
+def test_fm06_sigkill_every_process(stack_factory, daemon_factory):
+    _sigkill_everything(stack_factory, "FM-06", False, daemon_factory)
+
+
+def test_fm13_sigkill_every_process_under_load(stack_factory, daemon_factory):
+    _sigkill_everything(stack_factory, "FM-13", True, daemon_factory)
+
+
+def _sigterm_everything(stack_factory, row: str, load: bool) -> None:
+    s, d = stack_factory()
+    d.wait_all_active(120)
+    ld = Load(s.serve_port).start() if load else None
+    try:
+        if ld:
+            ld.wait_successes(4)
+        pids = _everything(d)
+        fault = time.monotonic()
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        assert d.wait_exit(60) == 0
+        wait_for(lambda: no_residue(pids), 5, "nothing of the stack left")
+        figures = {}
+        if ld:
+            ld.stop()
+            figures.update(ld.check_fail_fast(fault))
+        report(row, **figures)
+    finally:
+        if ld:
+            ld.stop()
+
+
+def test_fm07_sigterm_every_process(stack_factory):
+    _sigterm_everything(stack_factory, "FM-07", False)
+
+
+def test_fm14_sigterm_every_process_under_load(stack_factory):
+    _sigterm_everything(stack_factory, "FM-14", True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("load", [False, True])
+def test_fm15_sigterm_or_sigint_to_daemon_is_an_ordered_stop(stack_factory, sig, load):
+    s, d = stack_factory()
+    d.wait_all_active(120)
+    ld = Load(s.serve_port).start() if load else None
+    try:
+        if ld:
+            ld.wait_successes(4)
+        pids = _everything(d)[1:]
+        fault = time.monotonic()
+        os.kill(d.pid, sig)
+        assert d.wait_exit(60) == 0
+        assert no_residue(pids)
+        evs = state_events(d)
+        done = {e["unit"]: e["timestamp"] for e in evs if e["to"] == "inactive"}
+        began = {e["unit"]: e["timestamp"] for e in evs if e["to"] == "stopping"}
+        assert done["serve"] <= began["engine"] and done["engine"] <= min(began["worker@0"], began["worker@1"])
+        figures = {}
+        if ld:
+            ld.stop()
+            figures.update(ld.check_fail_fast(fault))
+        report(f"FM-15 ({signal.Signals(sig).name}, {'load' if load else 'idle'})", **figures)
+    finally:
+        if ld:
+            ld.stop()
+
+
+@pytest.mark.parametrize("load", [False, True])
+def test_fm16_sigkill_daemon_takes_every_unit_within_1s(stack_factory, load):
+    s, d = stack_factory()
+    d.wait_all_active(120)
+    ld = Load(s.serve_port).start() if load else None
+    try:
+        if ld:
+            ld.wait_successes(4)
+        pids = _everything(d)[1:]
+        fault = time.monotonic()
+        os.kill(d.pid, signal.SIGKILL)
+        d.wait_exit(10)
+        wait_for(lambda: no_residue(pids), 1.0, "every unit process gone within 1 s")
+        gone_ms = (time.monotonic() - fault) * 1000
+        figures = {"all_gone_ms": round(gone_ms, 1)}
+        if ld:
+            ld.stop()
+            figures.update(ld.check_fail_fast(fault))
+        report(f"FM-16 ({'load' if load else 'idle'})", **figures)
+    finally:
+        if ld:
+            ld.stop()
+
+
+# ----------------------------------------------------------------- GPU, hangs, stop
+
+
+@pytest.mark.parametrize("load", [False, True])
+def test_fm17_fake_gpu_memory_taken_degrades_then_recovers(stack_factory, tmp_path, load):
+    fake = tmp_path / "gpu.json"
+    gpus = [{"index": 0, "total_mib": 16000, "free_mib": 15000}, {"index": 1, "total_mib": 16000, "free_mib": 15000}]
+    write_fake_gpu_file(fake, {"gpus": gpus, "processes": []})
+    s, d = stack_factory(overrides={"worker": {"gpu_min_free_mib": "2000"}},
+                         env={"OMNID_FAKE_GPU": str(fake), "OMNID_GPU_INTERVAL": "0.2"})
+    d.wait_all_active(120)
+    ld = Load(s.serve_port).start() if load else None
+    try:
+        if ld:
+            ld.wait_successes(4)
+        taken = [dict(g, free_mib=100) for g in gpus]
+        fault = time.monotonic()
+        write_fake_gpu_file(fake, {"gpus": taken, "processes": []})
+        code, body = wait_for(lambda: (r := d.http("/health"))[0] == 503 and r, 0.2 + 1.0,
+                              "503 within one GPU probe interval")
+        assert body["status"] == "degraded" and "gpu_min_free_mib" in body["units"]["worker@0"]["reason"]
+        figures = {"degraded_ms": round((time.monotonic() - fault) * 1000, 1)}
+        if ld:
+            # Requests while the GPU is full fail fast with a 5xx; none hangs.
+            wait_for(lambda: any(o.started > fault + 0.5 and o.status and o.status >= 500
+                                 for o in list(ld.outcomes)), 10, "a 5xx for a request on a full GPU")
+            late = [o for o in list(ld.outcomes) if o.started > fault + 0.5]
+            assert all(o.ended - o.started < 2.0 for o in late)
+        write_fake_gpu_file(fake, {"gpus": gpus, "processes": []})
+        wait_for(lambda: d.http("/health")[0] == 200, 10, "200 once the memory is free again")
+        if ld:
+            ld.stop()
+            figures.update(ld.check_fail_fast(fault))
+        report(f"FM-17 ({'load' if load else 'idle'}, fake GPU)", **figures)
+    finally:
+        if ld:
+            ld.stop()
+
+
+@pytest.mark.parametrize("load", [False, True])
+def test_fm18_hung_worker_is_caught_by_the_watchdog_and_killed(stack_factory, load):
+    s, d = stack_factory(overrides={"worker": {"watchdog_sec": "2", "stop_timeout": "1"}})
+    d.wait_all_active(120)
+    ld = Load(s.serve_port).start() if load else None
+    try:
+        if ld:
+            ld.wait_successes(4)
+        pid = d.unit("worker@1")["pid"]
+        fault = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        u = d.wait_state("worker@1", "failed", timeout=15)
+        caught_s = time.monotonic() - fault
+        assert u["reason"].startswith("watchdog:"), u["reason"]
+        assert u["last_signal"] == "SIGKILL"
+        assert not alive(pid)
+        wait_for(lambda: d.unit("serve")["state"] == "inactive", 15, "serve stopped")
+        assert_dependents_stopped_in_order(d)
+        assert d.http("/health")[0] == 503
+        figures = {"caught_s": round(caught_s, 2)}
+        if ld:
+            ld.stop()
+            # The engine misses the stopped worker's heartbeat after 0.5 s and fails its
+            # request; omnid's watchdog then takes the worker down (watchdog_sec).
+            figures.update(ld.check_fail_fast(fault))
+        report(f"FM-18 ({'load' if load else 'idle'})", **figures)
+    finally:
+        if ld:
+            ld.stop()
+
+
+def test_fm19_unit_ignoring_sigterm_is_sigkilled_exactly_at_stop_timeout(stack_factory):
+    _s, d = stack_factory(extra_units={"stubborn": (
+        'exec = ["sh", "-c", "trap \'\' TERM; while :; do sleep 0.05; done"]\n'
+        'stop_timeout = 1\nrequires = ["engine"]\n')})
+    d.wait_all_active(120)
+    pid = d.unit("stubborn")["pid"]
+    summary = d.ok("shutdown", timeout=120)["summary"]
+    rec = next(r for r in summary if r["unit"] == "stubborn")
+    assert rec["escalated"] and rec["signal"] == "SIGTERM"
+    assert 1.0 <= rec["seconds"] < 1.5, rec
+    assert not alive(pid)
+    report("FM-19", escalation_error_ms=round((rec["seconds"] - 1.0) * 1000, 1))
+
+
+GRANDCHILDREN = """
+import os, sys, time
+for _ in range(2):
+    if os.fork() == 0:
+        os.execvp("sleep", ["sleep", "1000"])
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execvp("sleep", ["sleep", "1001"])
+    os._exit(0)
+while True:
+    time.sleep(3600)
+"""
+
+
+@pytest.mark.parametrize("how", ["stop", "failure"])
+def test_fm20_grandchildren_and_double_forked_do_not_survive(stack_factory, tmp_path, how):
+    prog = tmp_path / "gc.py"
+    prog.write_text(GRANDCHILDREN)
+    _s, d = stack_factory(extra_units={"sidecar": f'exec = ["{PY}", "{prog}"]\nrequires = ["engine"]\n'})
+    d.wait_all_active(120)
+    main = d.unit("sidecar")["pid"]
+    tagged = lambda: [p.pid for p in linux.scan() if p.pid != os.getpid() and p.state != "Z"  # noqa: E731
+                      and linux.read_environ_var(p.pid, "OMNID_UNIT") == "sidecar"]
+    wait_for(lambda: len(tagged()) >= 4, 10, "sidecar and its 3 grandchildren")
+    before = tagged()
+    if how == "stop":
+        d.ok("stop", {"units": ["sidecar"]}, timeout=60)
+    else:
+        os.kill(main, signal.SIGKILL)
+        d.wait_state("sidecar", "failed")
+    wait_for(lambda: no_residue(before), 5, "no grandchild left")
+    report(f"FM-20 ({how})", killed=len(before))
+
+
+def test_fm21_crash_loop_backs_off_then_fails_for_good(stack_factory):
+    _s, d = stack_factory(extra_units={"crasher": (
+        'exec = ["sh", "-c", "exit 3"]\nrestart = "on-failure"\nrestart_sec = 0.1\n'
+        'start_limit_burst = 4\nstart_limit_interval = 60\n')})
+    u = d.wait_state("crasher", "failed", timeout=30)
+    wait_for(lambda: "start limit" in (u := d.unit("crasher"))["reason"] and u, 30, "the start limit")
+    starts = [e["timestamp"] for e in state_events(d) if e["unit"] == "crasher" and e["to"] == "starting"]
+    assert len(starts) == 4
+    from datetime import datetime
+
+    t = [datetime.fromisoformat(x).timestamp() for x in starts]
+    gaps = [b - a for a, b in zip(t, t[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 0.35, gaps  # 0.1, 0.2, 0.4: backoff
+    code, body = d.http("/health")
+    assert code == 503 and "start limit" in body["units"]["crasher"]["reason"]
+    assert "exited with code 3" in body["units"]["crasher"]["reason"]
+    # Idle: no new start, almost no CPU.
+    cpu0 = _cpu(d.pid)
+    wait_for(lambda: True, 0.1, "")
+    time_end = time.monotonic() + 1.0
+    while time.monotonic() < time_end:
+        assert d.unit("crasher")["state"] == "failed"
+        time.sleep(0.1)
+    assert _cpu(d.pid) - cpu0 < 0.15
+    report("FM-21", gaps_s=[round(g, 3) for g in gaps])
+
+
+def _cpu(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -25,14 +25,16 @@ class Goal(str, enum.Enum):
 
 S = UnitState
 LEGAL: dict[UnitState, frozenset[UnitState]] = {
-    S.INACTIVE: frozenset({S.STARTING}),
-    # starting -> failed: spawn failed, died before ready, or its group emptied at once.
+    # inactive -> failed: the spawn itself failed (exec error, GPU held by a leftover).
+    S.INACTIVE: frozenset({S.STARTING, S.FAILED}),
+    # starting -> failed: died before ready, with its group already empty.
     S.STARTING: frozenset({S.ACTIVE, S.STOPPING, S.FAILED}),
     S.ACTIVE: frozenset({S.STOPPING, S.FAILED}),
     # stopping -> failed when the stop was the consequence of a failure (timeout, probe).
     S.STOPPING: frozenset({S.INACTIVE, S.FAILED}),
     # failed -> inactive: an operator's stop clears a failure.
-    S.FAILED: frozenset({S.STARTING, S.INACTIVE}),
+    # failed -> failed: an automatic restart whose spawn failed again.
+    S.FAILED: frozenset({S.STARTING, S.INACTIVE, S.FAILED}),
 }
 
 RUNNING = frozenset({S.STARTING, S.ACTIVE, S.STOPPING})

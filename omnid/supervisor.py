@@ -15,6 +15,7 @@ import asyncio
 import collections
 import os
 import re
+import select
 import signal
 import sys
 import time
@@ -124,6 +125,12 @@ class Unit:
 
 
 _group_alive = group_alive
+
+
+def _pidfd_readable(pidfd: int) -> bool:
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    return bool(p.poll(0))
 
 
 class Supervisor:
@@ -411,7 +418,8 @@ class Supervisor:
         u.stopping_notified = False
         u.status_text = ""
         reason = f"restart {u.restarts} after: {u.last_exit}" if automatic else "starting"
-        self._transition(u, S.STARTING, reason)
+        # The unit becomes `starting` only once its process exists and its pidfd is
+        # held (the invariant); a spawn that fails goes straight to `failed`.
         held = self._gpu_held_by_leftover(u)
         if held:
             self._record_failure(u, held)
@@ -440,7 +448,7 @@ class Supervisor:
             self.on_exit_report(early)
         asyncio.get_running_loop().add_reader(h.pidfd, self._on_pidfd, u, h)
         self.on_pids_changed()
-        self._kick()  # a stop may have been waiting for the spawn to finish
+        self._transition(u, S.STARTING, reason)  # kicks converge: a stop may be waiting for this spawn
         log.debug("spawned", unit=u.name, pid=h.pid, argv=list(spec.exec))
         await self._await_ready(u, h)
 
@@ -893,7 +901,10 @@ class Supervisor:
             else:
                 ps = linux.read_stat(h.pid)
                 alive = ps is not None and ps.start_time == h.start_time and ps.state not in ("Z", "X")
-                if not alive and not h.exited.is_set() and settled:
+                # A dead main process is consistent only while its death is already on its
+                # way to the loop (pidfd readable, or the exit report in): realigned in ms.
+                if not alive and settled and not (h.exited.is_set() or h.reaped.is_set()
+                                                  or _pidfd_readable(h.pidfd)):
                     problems.append(f"{u.name}: {st.value} but main process {h.pid} is not alive")
         elif st is S.STOPPING:
             pass  # the stop op is in charge; anything may be alive or just gone

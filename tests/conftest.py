@@ -109,5 +109,10 @@ def daemon_factory(tmp_path_factory):
         return d
 
     yield start
+    violations = []
     for d in started:
         d.close()
+        violations.extend(d.invariant_violations())
+    if violations:
+        pytest.fail("the daemon's state disagreed with the kernel after a transition:\n" + "\n".join(violations[:10]),
+                    pytrace=False)

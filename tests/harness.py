@@ -131,7 +131,14 @@ class Daemon:
         self._ctx.term()
         if hasattr(self, "_log"):
             self._log.close()
+        self.closed_log = self.log()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def invariant_violations(self) -> list[str]:
+        """State/kernel disagreements the daemon logged after its transitions
+        (tests run daemons with OMNID_CHECK_INVARIANTS=1)."""
+        text = getattr(self, "closed_log", None) or self.log()
+        return [line for line in text.splitlines() if "invariant violated" in line]
 
     # -- control socket --------------------------------------------------------
     def raw(self, payload: bytes, timeout: float = 10.0) -> dict:

@@ -86,8 +86,9 @@ def death_latency(n: int = 100) -> dict:
 
 
 def escalation(n: int = 20) -> dict:
-    stack = make_stack({"stubborn": 'exec = ["sh", "-c", "trap \'\' TERM; while :; do sleep 1; done"]\n'
-                                    'stop_timeout = 1\n'})
+    # READY only once SIGTERM is ignored, so no stop can race the trap.
+    stack = make_stack({"stubborn": 'exec = ["sh", "-c", "trap \'\' TERM; systemd-notify --ready; '
+                                    'while :; do sleep 1; done"]\nready = "notify"\nstop_timeout = 1\n'})
     d = Daemon(stack)
     errs = []
     try:

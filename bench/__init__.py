@@ -1,0 +1,1 @@
+"""Benchmark harness: omnid vs supervisord vs Circus (run by hand, see README.md)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import gc
 import os
 import secrets
 import signal
@@ -290,6 +291,10 @@ class Daemon:
             self.exit_code = 1
             self.shutdown_requested.set()
         self._write_state()
+        # Everything allocated so far (modules, sockets, units) lives as long as the
+        # daemon: keep it out of the cyclic GC, whose full passes over it cost tens of
+        # ms in the middle of a 256-unit stop.
+        gc.freeze()
         log.info("daemon ready", units_dir=self.cfg.units_dir, control=self.cfg.control,
                  health=self.cfg.health_listen, units=len(self.sup.units), spawner_pid=self.spawner.pid)
         if not self.shutdown_requested.is_set():

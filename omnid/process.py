@@ -103,14 +103,15 @@ def group_alive(pgid: int) -> bool:
 
 def find_residue(unit: str, pgid: int, spawner_pid: int, daemon_token: str | None = None,
                  table: list[linux.ProcStat] | None = None, *, members: bool = True,
-                 mains: Container[int] = ()) -> list[Survivor]:
+                 mains: Container[int] = (), children: list[int] | None = None) -> list[Survivor]:
     """Every live process that belongs to `unit`: its group, its session, and
     re-parented orphans (children of the subreaper spawner) tagged with its name.
 
     Cheap when the unit is gone (the common case): one killpg(0) and one read of
     the spawner's children list; /proc is scanned only while the group lives.
     `members=False` skips the group itself (the caller signals it with killpg);
-    `mains` are live unit main processes, never orphans, skipped unread."""
+    `mains` are live unit main processes, never orphans, skipped unread;
+    `children` is the spawner's children list when the caller already read it."""
     out: list[Survivor] = []
     seen: set[int] = set()
 
@@ -127,7 +128,7 @@ def find_residue(unit: str, pgid: int, spawner_pid: int, daemon_token: str | Non
                 add(p, f"process group {pgid}")
             elif p.sid == pgid:
                 add(p, f"session {pgid}")
-    for pid in children_of(spawner_pid):
+    for pid in children_of(spawner_pid) if children is None else children:
         if pid in seen or pid in mains or pid == pgid:
             continue
         if linux.read_environ_var(pid, UNIT_TAG) != unit:

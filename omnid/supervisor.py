@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
@@ -28,7 +28,8 @@ import structlog
 from omnid import linux
 from omnid.output import UnitOutput
 from omnid.probes import ProbeFailed, http_probe, tcp_probe
-from omnid.process import DAEMON_TAG, UNIT_TAG, ProcessHandle, Survivor, find_residue, group_alive, kill_survivors
+from omnid.process import (DAEMON_TAG, UNIT_TAG, ProcessHandle, Survivor, children_of, find_residue, group_alive,
+                           kill_survivors)
 from omnid.spawnclient import ExitReport, SpawnError, SpawnerClient, SpawnRequest
 from omnid.states import RUNNING, Goal, UnitState, check_transition
 from omnid.units import Stack
@@ -60,7 +61,10 @@ class StopRecord:
     was: str = ""  # state before the stop
 
     def to_json(self) -> dict:
-        return asdict(self)
+        # Not dataclasses.asdict: it deep-copies, and a 256-unit summary is on the stop path.
+        return {"unit": self.unit, "signal": self.signal, "seconds": self.seconds, "escalated": self.escalated,
+                "residue": list(self.residue), "unkillable": list(self.unkillable),
+                "gpu_release_ms": self.gpu_release_ms, "was": self.was}
 
 
 @dataclass
@@ -700,10 +704,14 @@ class Supervisor:
 
     # -------------------------------------------------------------------- stop
     def _launch_stop(self, batch: list[tuple[Unit, str]]) -> None:
+        # One read of the subreaper's children for the whole tier: the escaped orphans
+        # that get the stop signal with their unit's group (the sweep after each stop
+        # reads it again, fresh).
+        orphans = [p for p in children_of(self.spawner.pid) if p not in self._by_pid]
         for u, why in batch:
-            self._launch(u, "stop", self._stop(u, why))
+            self._launch(u, "stop", self._stop(u, why, orphans))
 
-    async def _stop(self, u: Unit, why: str, table: list[linux.ProcStat] | None = None) -> None:
+    async def _stop(self, u: Unit, why: str, orphans: list[int] | None = None) -> None:
         h = u.proc
         was = u.state.value
         if h is None:
@@ -711,7 +719,7 @@ class Supervisor:
             self._transition(u, S.INACTIVE, why)
             return
         self._transition(u, S.STOPPING, why)
-        rec = await self._terminate(u, h, u.spec.stop_signal, send_cont=True, table=table)
+        rec = await self._terminate(u, h, u.spec.stop_signal, send_cont=True, orphans=orphans)
         rec.was = was
         u.last_stop = rec
         if h.exit_status is not None:
@@ -723,9 +731,11 @@ class Supervisor:
             final = f"{why}; UNKILLABLE: {'; '.join(rec.unkillable)}"
         self._transition(u, S.INACTIVE, final)
 
-    def _residue(self, u: Unit, h: ProcessHandle, members: bool = True) -> list[Survivor]:
+    def _residue(self, u: Unit, h: ProcessHandle, members: bool = True,
+                 children: list[int] | None = None) -> list[Survivor]:
         mains = self._by_pid.keys() - {h.pid}
-        return find_residue(u.name, h.pgid, self.spawner.pid, self.token, members=members, mains=mains)
+        return find_residue(u.name, h.pgid, self.spawner.pid, self.token, members=members, mains=mains,
+                            children=children)
 
     async def _wait_gone(self, u: Unit, h: ProcessHandle, deadline: float) -> bool:
         """Wait until the main process is reaped and the process group is empty, or the deadline."""
@@ -740,14 +750,14 @@ class Supervisor:
         return True
 
     async def _terminate(self, u: Unit, h: ProcessHandle, first: int, *, send_cont: bool,
-                         table: list[linux.ProcStat] | None = None) -> StopRecord:
+                         orphans: list[int] | None = None) -> StopRecord:
         """The kill policy: first signal to the group, wait stop_timeout, SIGKILL, wait
         kill_timeout, then sweep orphans; report what could not be killed."""
         spec = u.spec
         t0 = time.monotonic()
         rec = StopRecord(unit=u.name, signal=linux.signal_name(first), seconds=None, escalated=False)
         # Escaped orphans get the stop signal too; the group gets it by killpg.
-        extra = self._residue(u, h, members=False)
+        extra = self._residue(u, h, members=False, children=orphans)
         every_pid = {h.pid, *(s.pid for s in extra)}  # for the GPU release check
         if self.gpu is not None and getattr(self.gpu, "available", False):
             every_pid.update(s.pid for s in self._residue(u, h))
@@ -845,8 +855,9 @@ class Supervisor:
     async def stop_units(self, names: list[str] | None, timeout: float | None = None) -> list[StopRecord]:
         targets = self.expand(names) if names else list(self.order)
         closure = set(targets)
-        for n in targets:
-            closure.update(d.name for d in self.stack.dependents(n))
+        if names:  # the whole stack needs no dependents walk (O(n^2) at 256 units)
+            for n in targets:
+                closure.update(d.name for d in self.stack.dependents(n))
         before = {n: self.units[n].last_stop for n in self.order}
         for n in targets:
             u = self.units[n]

@@ -7,6 +7,7 @@ to $OMNID_MATRIX_REPORT when set (python -m tests.failure_matrix collects them).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ import pytest
 
 from omnid import linux
 from omnid.gpu import write_fake_gpu_file
-from tests.failure_matrix.harness import DemoStack, Load, serve_refuses
+from tests.failure_matrix.harness import DemoStack, Load
 from tests.harness import alive, wait_for
 
 pytestmark = pytest.mark.matrix
@@ -48,6 +49,28 @@ def stack_factory(daemon_factory):
     yield make
     for s in made:
         s.cleanup()
+
+
+@contextlib.contextmanager
+def under_load(s: DemoStack, load: bool):
+    """A client keeping >= 4 requests in flight for the duration (None when idle);
+    yields once it has seen requests succeed, stops it whatever happens."""
+    ld = Load(s.serve_port).start() if load else None
+    try:
+        if ld:
+            ld.wait_successes(4)
+        yield ld
+    finally:
+        if ld:
+            ld.stop()
+
+
+def finish(row: str, ld: Load | None, fault: float, **figures) -> None:
+    """Under load: every request in flight at the fault ended within 2 s. Then report."""
+    if ld:
+        ld.stop()
+        figures.update(ld.check_fail_fast(fault))
+    report(row, **figures)
 
 
 def stack_pids(d) -> dict[str, int]:
@@ -116,10 +139,7 @@ def assert_dependents_stopped_in_order(d) -> None:
 def _worker_fault(stack_factory, row: str, sig: int, restart: str, load: bool) -> None:
     s, d = stack_factory(restart=restart)
     d.wait_all_active(120)
-    ld = Load(s.serve_port).start() if load else None
-    try:
-        if ld:
-            ld.wait_successes(4)
+    with under_load(s, load) as ld:
         old = stack_pids(d)
         victim_tree = tree_of(old["worker@0"])
         fault = time.monotonic()
@@ -148,13 +168,7 @@ def _worker_fault(stack_factory, row: str, sig: int, restart: str, load: bool) -
             assert_dependents_stopped_in_order(d)
             assert no_residue(victim_tree)
         figures = {"failed_ms": round(ms, 1)}
-        if ld:
-            ld.stop()
-            figures.update(ld.check_fail_fast(fault))
-        report(row, **figures)
-    finally:
-        if ld:
-            ld.stop()
+        finish(row, ld, fault, **figures)
 
 
 @pytest.mark.parametrize("restart", ["no", "on-failure"])
@@ -181,10 +195,7 @@ def test_fm09_sigterm_worker_under_load(stack_factory):
 def _serve_fault(stack_factory, row: str, sig: int, load: bool, restart: str = "on-failure") -> None:
     s, d = stack_factory(restart=restart)
     d.wait_all_active(120)
-    ld = Load(s.serve_port).start() if load else None
-    try:
-        if ld:
-            ld.wait_successes(4)
+    with under_load(s, load) as ld:
         old = stack_pids(d)
         serve_tree = tree_of(old["serve"])
         fault = time.monotonic()
@@ -197,13 +208,7 @@ def _serve_fault(stack_factory, row: str, sig: int, load: bool, restart: str = "
         else:
             wait_for(lambda: d.http("/health")[0] == 200, 60, "the serve back by itself")
         figures = {"failed_ms": round(ms, 1)}
-        if ld:
-            ld.stop()
-            figures.update(ld.check_fail_fast(fault))
-        report(row, **figures)
-    finally:
-        if ld:
-            ld.stop()
+        finish(row, ld, fault, **figures)
 
 
 def test_fm03_sigkill_serve(stack_factory):
@@ -244,10 +249,7 @@ def _everything(d) -> list[int]:
 def _sigkill_everything(stack_factory, row: str, load: bool, daemon_factory) -> None:
     s, d = stack_factory()
     d.wait_all_active(120)
-    ld = Load(s.serve_port).start() if load else None
-    try:
-        if ld:
-            ld.wait_successes(4)
+    with under_load(s, load) as ld:
         pids = _everything(d)
         fault = time.monotonic()
         for p in pids:
@@ -275,9 +277,6 @@ def _sigkill_everything(stack_factory, row: str, load: bool, daemon_factory) -> 
             d2.workdir = d.workdir / "second"
             d2.close()
         report(row, **figures)
-    finally:
-        if ld:
-            ld.stop()
 
 
 def test_fm06_sigkill_every_process(stack_factory, daemon_factory):
@@ -291,10 +290,7 @@ def test_fm13_sigkill_every_process_under_load(stack_factory, daemon_factory):
 def _sigterm_everything(stack_factory, row: str, load: bool) -> None:
     s, d = stack_factory()
     d.wait_all_active(120)
-    ld = Load(s.serve_port).start() if load else None
-    try:
-        if ld:
-            ld.wait_successes(4)
+    with under_load(s, load) as ld:
         pids = _everything(d)
         fault = time.monotonic()
         for p in pids:
@@ -305,13 +301,7 @@ def _sigterm_everything(stack_factory, row: str, load: bool) -> None:
         assert d.wait_exit(60) == 0
         wait_for(lambda: no_residue(pids), 5, "nothing of the stack left")
         figures = {}
-        if ld:
-            ld.stop()
-            figures.update(ld.check_fail_fast(fault))
-        report(row, **figures)
-    finally:
-        if ld:
-            ld.stop()
+        finish(row, ld, fault, **figures)
 
 
 def test_fm07_sigterm_every_process(stack_factory):
@@ -327,10 +317,7 @@ def test_fm14_sigterm_every_process_under_load(stack_factory):
 def test_fm15_sigterm_or_sigint_to_daemon_is_an_ordered_stop(stack_factory, sig, load):
     s, d = stack_factory()
     d.wait_all_active(120)
-    ld = Load(s.serve_port).start() if load else None
-    try:
-        if ld:
-            ld.wait_successes(4)
+    with under_load(s, load) as ld:
         pids = _everything(d)[1:]
         fault = time.monotonic()
         os.kill(d.pid, sig)
@@ -341,23 +328,14 @@ def test_fm15_sigterm_or_sigint_to_daemon_is_an_ordered_stop(stack_factory, sig,
         began = {e["unit"]: e["timestamp"] for e in evs if e["to"] == "stopping"}
         assert done["serve"] <= began["engine"] and done["engine"] <= min(began["worker@0"], began["worker@1"])
         figures = {}
-        if ld:
-            ld.stop()
-            figures.update(ld.check_fail_fast(fault))
-        report(f"FM-15 ({signal.Signals(sig).name}, {'load' if load else 'idle'})", **figures)
-    finally:
-        if ld:
-            ld.stop()
+        finish(f"FM-15 ({signal.Signals(sig).name}, {'load' if load else 'idle'})", ld, fault, **figures)
 
 
 @pytest.mark.parametrize("load", [False, True])
 def test_fm16_sigkill_daemon_takes_every_unit_within_1s(stack_factory, load):
     s, d = stack_factory()
     d.wait_all_active(120)
-    ld = Load(s.serve_port).start() if load else None
-    try:
-        if ld:
-            ld.wait_successes(4)
+    with under_load(s, load) as ld:
         pids = _everything(d)[1:]
         fault = time.monotonic()
         os.kill(d.pid, signal.SIGKILL)
@@ -365,13 +343,7 @@ def test_fm16_sigkill_daemon_takes_every_unit_within_1s(stack_factory, load):
         wait_for(lambda: no_residue(pids), 1.0, "every unit process gone within 1 s")
         gone_ms = (time.monotonic() - fault) * 1000
         figures = {"all_gone_ms": round(gone_ms, 1)}
-        if ld:
-            ld.stop()
-            figures.update(ld.check_fail_fast(fault))
-        report(f"FM-16 ({'load' if load else 'idle'})", **figures)
-    finally:
-        if ld:
-            ld.stop()
+        finish(f"FM-16 ({'load' if load else 'idle'})", ld, fault, **figures)
 
 
 # ----------------------------------------------------------------- GPU, hangs, stop
@@ -385,10 +357,7 @@ def test_fm17_fake_gpu_memory_taken_degrades_then_recovers(stack_factory, tmp_pa
     s, d = stack_factory(overrides={"worker": {"gpu_min_free_mib": "2000"}},
                          env={"OMNID_FAKE_GPU": str(fake), "OMNID_GPU_INTERVAL": "0.2"})
     d.wait_all_active(120)
-    ld = Load(s.serve_port).start() if load else None
-    try:
-        if ld:
-            ld.wait_successes(4)
+    with under_load(s, load) as ld:
         taken = [dict(g, free_mib=100) for g in gpus]
         fault = time.monotonic()
         write_fake_gpu_file(fake, {"gpus": taken, "processes": []})
@@ -404,23 +373,14 @@ def test_fm17_fake_gpu_memory_taken_degrades_then_recovers(stack_factory, tmp_pa
             assert all(o.ended - o.started < 2.0 for o in late)
         write_fake_gpu_file(fake, {"gpus": gpus, "processes": []})
         wait_for(lambda: d.http("/health")[0] == 200, 10, "200 once the memory is free again")
-        if ld:
-            ld.stop()
-            figures.update(ld.check_fail_fast(fault))
-        report(f"FM-17 ({'load' if load else 'idle'}, fake GPU)", **figures)
-    finally:
-        if ld:
-            ld.stop()
+        finish(f"FM-17 ({'load' if load else 'idle'}, fake GPU)", ld, fault, **figures)
 
 
 @pytest.mark.parametrize("load", [False, True])
 def test_fm18_hung_worker_is_caught_by_the_watchdog_and_killed(stack_factory, load):
     s, d = stack_factory(overrides={"worker": {"watchdog_sec": "2", "stop_timeout": "1"}})
     d.wait_all_active(120)
-    ld = Load(s.serve_port).start() if load else None
-    try:
-        if ld:
-            ld.wait_successes(4)
+    with under_load(s, load) as ld:
         pid = d.unit("worker@1")["pid"]
         fault = time.monotonic()
         os.kill(pid, signal.SIGSTOP)
@@ -433,15 +393,7 @@ def test_fm18_hung_worker_is_caught_by_the_watchdog_and_killed(stack_factory, lo
         assert_dependents_stopped_in_order(d)
         assert d.http("/health")[0] == 503
         figures = {"caught_s": round(caught_s, 2)}
-        if ld:
-            ld.stop()
-            # The engine misses the stopped worker's heartbeat after 0.5 s and fails its
-            # request; omnid's watchdog then takes the worker down (watchdog_sec).
-            figures.update(ld.check_fail_fast(fault))
-        report(f"FM-18 ({'load' if load else 'idle'})", **figures)
-    finally:
-        if ld:
-            ld.stop()
+        finish(f"FM-18 ({'load' if load else 'idle'})", ld, fault, **figures)
 
 
 def test_fm19_unit_ignoring_sigterm_is_sigkilled_exactly_at_stop_timeout(stack_factory):

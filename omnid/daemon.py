@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import gc
+import importlib
 import os
 import secrets
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -25,7 +27,6 @@ import zmq.asyncio
 
 from omnid import linux, logconfig
 from omnid.control import ControlError, ControlServer, prepare_socket_dir
-from omnid.health import HealthServer
 from omnid.notify import NotifyServer
 from omnid.spawnclient import SpawnerClient, SpawnerGone
 from omnid.statefile import StateFile, find_leftovers, kill_leftovers
@@ -35,6 +36,23 @@ from omnid.units import Stack, StackInvalid, check_stack, load_stack
 log = structlog.get_logger("omnid.daemon")
 
 DEFAULT_HEALTH = "127.0.0.1:9321"
+
+
+def bind_listener(listen: str) -> socket.socket:
+    """A listening TCP socket on HOST:PORT (numeric host: no resolver thread)."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, int(port)))
+        sock.listen(512)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def default_control() -> str:
@@ -97,7 +115,7 @@ class Daemon:
         self.spawner = SpawnerClient(on_exit=self._on_exit, on_gone=self._on_spawner_gone)
         self.sup: Supervisor | None = None
         self.control: ControlServer | None = None
-        self.health: HealthServer | None = None
+        self.health = None  # omnid.health.HealthServer, imported once the first spawns are out
         self.notify: NotifyServer | None = None
         self.shutdown_requested: asyncio.Event | None = None
         self.shutdown_result: asyncio.Future | None = None
@@ -105,6 +123,7 @@ class Daemon:
         self._state_write: asyncio.TimerHandle | None = None
         self.gpu = None
         self._gpu_task: asyncio.Task | None = None
+        self._health_task: asyncio.Task | None = None
 
     # -- callbacks --------------------------------------------------------------
     def _on_exit(self, rep) -> None:
@@ -280,25 +299,23 @@ class Daemon:
         self.control = ControlServer(ctx, self.cfg.control, handlers)
         self.control.bind()
         self.control.start()
-        self.health = HealthServer(self.sup, self.cfg.health_listen, degraded=lambda: self.sup.degraded,
-                                   gpu_usage=lambda: self.sup.gpu_mib)
         if self.gpu.available:
             self._gpu_task = loop.create_task(self._gpu_watch())
         try:
-            await self.health.start()
+            # Bound now with a plain socket, so a busy port fails the daemon before any unit
+            # starts; aiohttp (a ~100 ms import) takes it over once the first spawns are out.
+            health_sock = bind_listener(self.cfg.health_listen)
         except OSError as exc:
             log.error("health API cannot listen", listen=self.cfg.health_listen, error=str(exc))
             self.exit_code = 1
             self.shutdown_requested.set()
+            health_sock = None
         self._write_state()
-        # Everything allocated so far (modules, sockets, units) lives as long as the
-        # daemon: keep it out of the cyclic GC, whose full passes over it cost tens of
-        # ms in the middle of a 256-unit stop.
-        gc.freeze()
         log.info("daemon ready", units_dir=self.cfg.units_dir, control=self.cfg.control,
                  health=self.cfg.health_listen, units=len(self.sup.units), spawner_pid=self.spawner.pid)
-        if not self.shutdown_requested.is_set():
+        if health_sock is not None:
             self.sup._kick()
+            self._health_task = loop.create_task(self._start_health(health_sock))
         await self.shutdown_requested.wait()
         log.info("stopping the stack")
         t0 = time.monotonic()
@@ -317,13 +334,32 @@ class Daemon:
             await asyncio.sleep(0.01)
         if self._gpu_task is not None:
             self._gpu_task.cancel()
-        await self.health.close()
+        if self._health_task is not None:
+            try:
+                await asyncio.wait_for(self._health_task, 10)
+            except Exception as exc:  # noqa: BLE001 - report, then go on closing
+                log.error("health API start failed", error=str(exc))
+        if self.health is not None:
+            await self.health.close()
         await self.control.close()
         ctx.term()
         self.notify.close()
         await self.spawner.shutdown()
         self.state.remove()
         return self.exit_code
+
+    async def _start_health(self, sock: socket.socket) -> None:
+        """Import aiohttp (~100 ms) in a thread while the loop spawns the first tier and
+        keeps watching pidfds and READY messages; then serve on the bound socket."""
+        assert self.sup is not None
+        health_mod = await asyncio.to_thread(importlib.import_module, "omnid.health")
+        self.health = health_mod.HealthServer(self.sup, self.cfg.health_listen, degraded=lambda: self.sup.degraded,
+                                              gpu_usage=lambda: self.sup.gpu_mib)
+        await self.health.start(sock)
+        # Everything allocated so far (modules, sockets, units) lives as long as the
+        # daemon: keep it out of the cyclic GC, whose full passes over it cost tens of
+        # ms in the middle of a 256-unit stop.
+        gc.freeze()
 
     async def _gpu_watch(self) -> None:
         """GPU memory is hardware state with no event to wait on: read it every

@@ -4,6 +4,7 @@ at request time, so a death shows as 503 as soon as the pidfd fired."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 
@@ -80,10 +81,14 @@ class HealthServer:
         self.app.router.add_get("/metrics", self.metrics)
         self.runner: web.AppRunner | None = None
 
-    async def start(self) -> None:
+    async def start(self, sock: socket.socket | None = None) -> None:
+        """Serve on `sock` (already bound and listening) or bind HOST:PORT now."""
         self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True)
+        if sock is not None:
+            site: web.BaseSite = web.SockSite(self.runner, sock)
+        else:
+            site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True)
         await site.start()
         log.info("health API listening", url=f"http://{self.host}:{self.port}/health")
 

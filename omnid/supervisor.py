@@ -171,6 +171,7 @@ class Supervisor:
                 self._dependents_after[dep].append(name)
         self._by_pid: dict[int, tuple[Unit, ProcessHandle]] = {}
         self._early_exits: dict[int, ExitReport] = {}
+        self._early_notify: dict[int, list[dict[str, str]]] = {}  # session id -> messages before its spawn reply
         self._converge_pending = False
         self._changed = asyncio.Condition()
         self._change_seq = 0
@@ -450,6 +451,8 @@ class Supervisor:
         early = self._early_exits.pop(h.pid, None)
         if early is not None:
             self.on_exit_report(early)
+        for fields in self._early_notify.pop(h.pgid, []):
+            self._apply_notify(u, fields)
         asyncio.get_running_loop().add_reader(h.pidfd, self._on_pidfd, u, h)
         self.on_pids_changed()
         self._transition(u, S.STARTING, reason)  # kicks converge: a stop may be waiting for this spawn
@@ -585,10 +588,23 @@ class Supervisor:
                 if cand.proc is not None and cand.proc.pgid in (st.pgid, st.sid):
                     u = cand
                     break
+        if u is None and st is not None:
+            # A unit can say READY=1 before the spawner's reply with its pid has been
+            # read: hold the message for a unit of ours whose spawn is in flight.
+            tag = linux.read_environ_var(sender_pid, UNIT_TAG)
+            pending = self.units.get(tag) if tag else None
+            if pending is not None and pending.proc is None and pending.op_kind == "start" \
+                    and linux.read_environ_var(sender_pid, DAEMON_TAG) == self.token:
+                self._early_notify.setdefault(st.sid, []).append(fields)
+                return pending.name
         if u is None:
             log.warning("notify message from a pid in no unit's process group; ignored",
                         pid=sender_pid, fields=sorted(fields))
             return None
+        self._apply_notify(u, fields)
+        return u.name
+
+    def _apply_notify(self, u: Unit, fields: dict[str, str]) -> None:
         if "MAINPID" in fields and fields["MAINPID"] != str(u.proc.pid if u.proc else ""):
             log.warning("notify MAINPID ignored: omnid tracks the process it spawned", unit=u.name,
                         mainpid=fields["MAINPID"])
@@ -604,7 +620,6 @@ class Supervisor:
                 self._arm_watchdog(u)
         elif fields.get("WATCHDOG") == "trigger" and u.state is S.ACTIVE and u.op is None:
             self._launch(u, "fail", self._fail_alive(u, "watchdog: unit asked to be killed (WATCHDOG=trigger)"))
-        return u.name
 
     # -------------------------------------------------------------- death path
     def _on_pidfd(self, u: Unit, h: ProcessHandle) -> None:

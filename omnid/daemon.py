@@ -31,7 +31,7 @@ from omnid.notify import NotifyServer
 from omnid.spawnclient import SpawnerClient, SpawnerGone
 from omnid.statefile import StateFile, find_leftovers, kill_leftovers
 from omnid.supervisor import StopRecord, Supervisor, UnitNotFound
-from omnid.units import Stack, StackInvalid, check_stack, load_stack
+from omnid.units import Stack, StackInvalid, check_stack, load_stack, parse_signal
 
 log = structlog.get_logger("omnid.daemon")
 
@@ -239,10 +239,8 @@ class Daemon:
         if not isinstance(unit, str) or not unit:
             raise ControlError("bad_request", "kill needs \"unit\": a unit name")
         self._known([unit])
-        from omnid.units import _signal  # one parser for signal names, shared with unit files
-
         try:
-            sig = int(_signal(args.get("signal", "SIGTERM")))
+            sig = int(parse_signal(args.get("signal", "SIGTERM")))
         except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's error
             raise ControlError("bad_request", f"bad \"signal\": {exc}") from None
         hit = self.sup.kill_unit(unit, sig)
@@ -321,9 +319,10 @@ class Daemon:
         t0 = time.monotonic()
         recs = await self.sup.shutdown()
         self.shutdown_result.set_result(recs)
-        left = [p for p in linux.scan() if p.ppid == self.spawner.pid and p.state not in ("Z", "X")]
+        left = [p for p in linux.children_of(self.spawner.pid)
+                if (st := linux.read_stat(p)) is not None and st.state not in ("Z", "X")]
         if left:
-            log.error("processes left under the spawner after stop", pids=[p.pid for p in left])
+            log.error("processes left under the spawner after stop", pids=left)
         log.info("stack stopped", seconds=round(time.monotonic() - t0, 3), units=len(recs),
                  residue=sum(len(r.residue) for r in recs), unkillable=sum(len(r.unkillable) for r in recs))
         if any(r.unkillable for r in recs):
@@ -380,16 +379,17 @@ class Daemon:
                     said = True
                 await asyncio.sleep(interval)
                 continue
-            by_pid: dict[int, float] = {}
+            # GPU memory by process group: one stat read per GPU process, not a /proc scan.
+            by_pgid: dict[int, float] = {}
             for p in procs:
-                by_pid[p.pid] = by_pid.get(p.pid, 0.0) + p.used_mib
+                st = linux.read_stat(p.pid)
+                if st is not None:
+                    by_pgid[st.pgid] = by_pgid.get(st.pgid, 0.0) + p.used_mib
             degraded: dict[str, str] = {}
             usage: dict[str, float] = {}
-            table = linux.scan() if by_pid else []
             for u in self.sup.units.values():
-                if u.proc is not None and by_pid:
-                    pg = u.proc.pgid
-                    usage[u.name] = sum(by_pid.get(p.pid, 0.0) for p in table if p.pgid == pg)
+                if u.proc is not None and by_pgid:
+                    usage[u.name] = by_pgid.get(u.proc.pgid, 0.0)
                 need = u.spec.gpu_min_free_mib
                 if need > 0 and u.state.value in ("starting", "active"):
                     for idx in u.spec.gpus:

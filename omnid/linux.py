@@ -122,6 +122,22 @@ def scan() -> list[ProcStat]:
     return out
 
 
+def children_of(pid: int) -> list[int]:
+    """Direct children of a process, from /proc/PID/task/*/children (no full /proc scan)."""
+    out: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(x) for x in f.read().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return out
+
+
 def read_environ_var(pid: int, name: str) -> str | None:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:

@@ -24,7 +24,6 @@ class UnitOutput:
         self.echo = echo
         self._fd = -1
         self._partial = b""
-        self.waiters: set[asyncio.Queue] = set()
 
     def attach(self, fd: int) -> None:
         """Start reading a new process's output pipe (read end, owned from now on)."""
@@ -68,8 +67,6 @@ class UnitOutput:
         self.lines.append((time.time(), line))
         if self.echo:
             log.info(line, unit=self.unit, stream="output")
-        for q in list(self.waiters):
-            q.put_nowait(line)
 
     def detach(self) -> None:
         """Drain what is buffered, then stop reading and close the pipe."""

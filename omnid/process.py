@@ -72,22 +72,6 @@ class Survivor:
         return f"pid {self.pid} ({self.comm}, state {self.state}, wchan {self.wchan}; {self.why})"
 
 
-def children_of(pid: int) -> list[int]:
-    """Direct children of a process, from /proc/PID/task/*/children (no full /proc scan)."""
-    out: list[int] = []
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out.extend(int(x) for x in f.read().split())
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return out
-
-
 def group_alive(pgid: int) -> bool:
     """Is any process (zombies included) still in this process group?"""
     if pgid <= 1:
@@ -102,8 +86,8 @@ def group_alive(pgid: int) -> bool:
 
 
 def find_residue(unit: str, pgid: int, spawner_pid: int, daemon_token: str | None = None,
-                 table: list[linux.ProcStat] | None = None, *, members: bool = True,
-                 mains: Container[int] = (), children: list[int] | None = None) -> list[Survivor]:
+                 *, members: bool = True, mains: Container[int] = (),
+                 children: list[int] | None = None) -> list[Survivor]:
     """Every live process that belongs to `unit`: its group, its session, and
     re-parented orphans (children of the subreaper spawner) tagged with its name.
 
@@ -122,13 +106,13 @@ def find_residue(unit: str, pgid: int, spawner_pid: int, daemon_token: str | Non
         seen.add(p.pid)
         out.append(Survivor(p.pid, p.comm, p.state, linux.wchan(p.pid), why, p.start_time))
 
-    if members and pgid > 1 and (table is not None or group_alive(pgid)):
-        for p in linux.scan() if table is None else table:
+    if members and group_alive(pgid):
+        for p in linux.scan():
             if p.pgid == pgid:
                 add(p, f"process group {pgid}")
             elif p.sid == pgid:
                 add(p, f"session {pgid}")
-    for pid in children_of(spawner_pid) if children is None else children:
+    for pid in linux.children_of(spawner_pid) if children is None else children:
         if pid in seen or pid in mains or pid == pgid:
             continue
         if linux.read_environ_var(pid, UNIT_TAG) != unit:
@@ -138,11 +122,11 @@ def find_residue(unit: str, pgid: int, spawner_pid: int, daemon_token: str | Non
         st = linux.read_stat(pid)
         add(st, f"orphan tagged {unit}")
         # Everything below an escaped orphan escaped with it.
-        stack = children_of(pid)
+        stack = linux.children_of(pid)
         while stack:
             c = stack.pop()
             add(linux.read_stat(c), f"descendant of orphan {pid}")
-            stack.extend(children_of(c))
+            stack.extend(linux.children_of(c))
     return out
 
 

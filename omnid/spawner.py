@@ -284,7 +284,7 @@ class Spawner:
         """The daemon is gone or asked us to go: nothing we started may outlive us."""
         deadline = time.monotonic() + CLEANUP_DEADLINE_S
         while time.monotonic() < deadline:
-            children = [p for p in linux.scan() if p.ppid == self.pid]
+            children = [st for p in linux.children_of(self.pid) if (st := linux.read_stat(p)) is not None]
             for pgid in {p.pgid for p in children} | set(self.units):
                 if pgid not in (0, 1, os.getpgid(0)):
                     try:
@@ -299,7 +299,7 @@ class Spawner:
             self.units.clear()
             self.launching.clear()
             self.reap()
-            if not [p for p in linux.scan() if p.ppid == self.pid]:
+            if not linux.children_of(self.pid):
                 break
             time.sleep(0.01)
         return 0

@@ -28,8 +28,7 @@ import structlog
 from omnid import linux
 from omnid.output import UnitOutput
 from omnid.probes import ProbeFailed, http_probe, tcp_probe
-from omnid.process import (DAEMON_TAG, UNIT_TAG, ProcessHandle, Survivor, children_of, find_residue, group_alive,
-                           kill_survivors)
+from omnid.process import DAEMON_TAG, UNIT_TAG, ProcessHandle, Survivor, find_residue, group_alive, kill_survivors
 from omnid.spawnclient import ExitReport, SpawnError, SpawnerClient, SpawnRequest
 from omnid.states import RUNNING, Goal, UnitState, check_transition
 from omnid.units import Stack
@@ -128,9 +127,6 @@ class Unit:
         }
 
 
-_group_alive = group_alive
-
-
 def _pidfd_readable(pidfd: int) -> bool:
     p = select.poll()
     p.register(pidfd, select.POLLIN)
@@ -174,7 +170,6 @@ class Supervisor:
         self._early_notify: dict[int, list[dict[str, str]]] = {}  # session id -> messages before its spawn reply
         self._converge_pending = False
         self._changed = asyncio.Condition()
-        self._change_seq = 0
         self._waker: asyncio.Task | None = None
         self.invariant_violations: list[str] = []
         self.shutting_down = False
@@ -229,7 +224,6 @@ class Supervisor:
 
     def _notify_changed(self) -> None:
         """Wake every wait_until(); coalesced into one task per loop iteration."""
-        self._change_seq += 1
         if self._waker is not None and not self._waker.done():
             return
 
@@ -722,17 +716,14 @@ class Supervisor:
         # One read of the subreaper's children for the whole tier: the escaped orphans
         # that get the stop signal with their unit's group (the sweep after each stop
         # reads it again, fresh).
-        orphans = [p for p in children_of(self.spawner.pid) if p not in self._by_pid]
+        orphans = [p for p in linux.children_of(self.spawner.pid) if p not in self._by_pid]
         for u, why in batch:
             self._launch(u, "stop", self._stop(u, why, orphans))
 
     async def _stop(self, u: Unit, why: str, orphans: list[int] | None = None) -> None:
         h = u.proc
+        assert h is not None  # starting and active units always hold their process
         was = u.state.value
-        if h is None:
-            self._transition(u, S.STOPPING, why)
-            self._transition(u, S.INACTIVE, why)
-            return
         self._transition(u, S.STOPPING, why)
         rec = await self._terminate(u, h, u.spec.stop_signal, send_cont=True, orphans=orphans)
         rec.was = was
@@ -758,7 +749,7 @@ class Supervisor:
             await asyncio.wait_for(h.reaped.wait(), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             return False
-        while _group_alive(h.pgid):
+        while group_alive(h.pgid):
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(GROUP_POLL_S)
@@ -939,7 +930,7 @@ class Supervisor:
                 problems.append(f"{u.name}: {st.value} but still holds process {h.pid}")
             if u.output is not None and u.output.attached:
                 problems.append(f"{u.name}: {st.value} but its output pipe is open")
-            if _group_alive(u.last_pgid):
+            if group_alive(u.last_pgid):
                 problems.append(f"{u.name}: {st.value} but process group {u.last_pgid} is not empty")
         return problems
 

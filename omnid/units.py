@@ -385,7 +385,7 @@ def _choice(enum: type[StrEnum]) -> Callable[[Any], Any]:
     return convert
 
 
-def _signal(value: Any) -> signal.Signals:
+def parse_signal(value: Any) -> signal.Signals:
     if isinstance(value, str):
         name = value.upper()
         name = name if name.startswith("SIG") else "SIG" + name
@@ -543,7 +543,7 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
         "ready": t.get("ready", Ready(), _ready),
         "ready_timeout": t.get("ready_timeout", 600.0, _seconds(zero_ok=False)),
         "watchdog_sec": t.get("watchdog_sec", 0.0, _seconds(zero_ok=True)),
-        "stop_signal": t.get("stop_signal", signal.SIGTERM, _signal),
+        "stop_signal": t.get("stop_signal", signal.SIGTERM, parse_signal),
         "stop_timeout": t.get("stop_timeout", 10.0, _seconds(zero_ok=False)),
         "kill_timeout": t.get("kill_timeout", 10.0, _seconds(zero_ok=False)),
         "restart": t.get("restart", RestartPolicy.NO, _choice(RestartPolicy)),

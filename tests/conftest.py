@@ -16,7 +16,7 @@ import uuid
 import pytest
 
 from omnid import linux
-from tests.harness import Daemon, make_stack  # noqa: F401  (fixtures below use them)
+from tests.harness import Daemon
 
 LEAK_GRACE_S = 10.0
 

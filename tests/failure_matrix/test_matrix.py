@@ -78,7 +78,7 @@ def stack_pids(d) -> dict[str, int]:
 
 
 def tree_of(pid: int) -> list[int]:
-    from omnid.process import children_of
+    from omnid.linux import children_of
 
     out, todo = [], [pid]
     while todo:

@@ -31,6 +31,7 @@ from omnid.notify import NotifyServer
 from omnid.spawnclient import SpawnerClient, SpawnerGone
 from omnid.statefile import StateFile, find_leftovers, kill_leftovers
 from omnid.supervisor import StopRecord, Supervisor, UnitNotFound
+from omnid.tasks import DaemonTask
 from omnid.units import Stack, StackInvalid, check_stack, load_stack, parse_signal
 
 log = structlog.get_logger("omnid.daemon")
@@ -122,7 +123,8 @@ class Daemon:
         self.exit_code = 0
         self._state_write: asyncio.TimerHandle | None = None
         self.gpu = None
-        self._gpu_task: asyncio.Task | None = None
+        self._gpu_task: DaemonTask | None = None
+        self._control_reader: DaemonTask | None = None
         self._health_task: asyncio.Task | None = None
 
     # -- callbacks --------------------------------------------------------------
@@ -296,9 +298,10 @@ class Daemon:
         handlers = {name[len("handle_"):]: getattr(self, name) for name in dir(self) if name.startswith("handle_")}
         self.control = ControlServer(ctx, self.cfg.control, handlers)
         self.control.bind()
-        self.control.start()
+        # Daemon-wide tasks are supervised: a crash is logged and the task restarted.
+        self._control_reader = DaemonTask("control reader", self._start_control_reader).start()
         if self.gpu.available:
-            self._gpu_task = loop.create_task(self._gpu_watch())
+            self._gpu_task = DaemonTask("GPU watch", lambda: loop.create_task(self._gpu_watch())).start()
         try:
             # Bound now with a plain socket, so a busy port fails the daemon before any unit
             # starts; aiohttp (a ~100 ms import) takes it over once the first spawns are out.
@@ -332,7 +335,9 @@ class Daemon:
         while self.control._tasks and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         if self._gpu_task is not None:
-            self._gpu_task.cancel()
+            self._gpu_task.close()
+        if self._control_reader is not None:
+            self._control_reader.close()
         if self._health_task is not None:
             try:
                 await asyncio.wait_for(self._health_task, 10)
@@ -346,6 +351,12 @@ class Daemon:
         await self.spawner.shutdown()
         self.state.remove()
         return self.exit_code
+
+    def _start_control_reader(self) -> asyncio.Task:
+        assert self.control is not None
+        self.control.start()
+        assert self.control._reader is not None
+        return self.control._reader
 
     async def _start_health(self, sock: socket.socket) -> None:
         """Import aiohttp (~100 ms) in a thread while the loop spawns the first tier and

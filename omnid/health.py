@@ -23,21 +23,19 @@ def overall(sup: Supervisor, degraded: dict[str, str]) -> str:
     if sup.shutting_down:
         return "stopping"
     units = sup.units.values()
-    if any(u.state is S.FAILED for u in units):
-        return "failed"
+    if any(u.state is S.FAILED or u.dead for u in units):
+        return "failed"  # (u.dead: the main process died; the failure op is about to record it)
     if any(u.state is S.STOPPING or u.goal.value == "inactive" for u in units) or degraded:
         return "degraded"
     if all(u.state is S.ACTIVE and u.ready for u in units):
         return "ok"
-    if any(u.state is S.ACTIVE and not u.ready and u.op is None for u in units):
-        return "failed"  # main process died; the failure op is about to record it
     return "starting"
 
 
 def unit_reason(u: Unit, degraded: dict[str, str]) -> str:
     if u.name in degraded:
         return degraded[u.name]
-    if u.state is S.ACTIVE and not u.ready:
+    if u.dead:
         return "main process exited; failing"
     return u.reason
 

@@ -44,7 +44,10 @@ async def http_probe(url: str, timeout: float) -> int:
                 "Connection: close\r\n\r\n".encode()
             )
             await writer.drain()
-            status_line = await reader.readline()
+            try:
+                status_line = await reader.readline()
+            except ValueError as exc:  # asyncio's 64 KiB line limit
+                raise ProbeFailed(f"{what}: status line over 64 KiB") from exc
             fields = status_line.split()
             if len(fields) < 2 or not fields[1].isdigit():
                 raise ProbeFailed(f"{what}: malformed answer {status_line[:60]!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import signal
 from collections.abc import Container
 from dataclasses import dataclass, field
@@ -41,13 +42,31 @@ class ProcessHandle:
             return False
         return linux.pidfd_send_signal(self.pidfd, sig)
 
-    def signal_group(self, sig: int) -> bool:
-        """Signal the unit's whole process group (recorded at spawn: getpgid fails once the leader is gone)."""
-        try:
-            os.killpg(self.pgid, sig)
-            return True
-        except ProcessLookupError:
+    def leader_alive(self) -> bool:
+        """Is the main process (the group leader) still running? A pidfd that is not
+        readable proves it, and with it that the group number is still this unit's."""
+        if self.pidfd < 0:
             return False
+        p = select.poll()
+        p.register(self.pidfd, select.POLLIN)
+        return not p.poll(0)
+
+    def signal_group(self, sig: int, token: str | None = None) -> bool:
+        """Signal the unit's whole process group (recorded at spawn: getpgid fails once
+        the leader is gone) -- by number only while the leader's pidfd proves the group
+        is still ours. After the leader died, a bare pgid may name someone else's group
+        (pid reuse): then only members that carry this unit's tag are signalled, each
+        through a pidfd, and the main process through its own pidfd."""
+        if self.leader_alive():
+            try:
+                os.killpg(self.pgid, sig)
+                return True
+            except ProcessLookupError:
+                return False
+        hit = self.signal(sig)
+        members = tagged_group_members(self.unit, self.pgid, token)
+        kill_survivors(members, sig)
+        return hit or bool(members)
 
     def close(self) -> None:
         if self.pidfd >= 0:
@@ -85,9 +104,27 @@ def group_alive(pgid: int) -> bool:
         return True
 
 
+def _tagged(pid: int, unit: str, daemon_token: str | None) -> bool:
+    if linux.read_environ_var(pid, UNIT_TAG) != unit:
+        return False
+    return daemon_token is None or linux.read_environ_var(pid, DAEMON_TAG) in (daemon_token, None)
+
+
+def tagged_group_members(unit: str, pgid: int, daemon_token: str | None = None) -> list[Survivor]:
+    """Live members of process group / session `pgid` that carry `unit`'s tag: what may
+    be signalled once the leader is gone and the number alone proves nothing."""
+    if not group_alive(pgid):
+        return []
+    out = []
+    for p in linux.scan():
+        if (p.pgid == pgid or p.sid == pgid) and p.state not in ("Z", "X") and _tagged(p.pid, unit, daemon_token):
+            out.append(Survivor(p.pid, p.comm, p.state, linux.wchan(p.pid), f"process group {pgid}", p.start_time))
+    return out
+
+
 def find_residue(unit: str, pgid: int, spawner_pid: int, daemon_token: str | None = None,
                  *, members: bool = True, mains: Container[int] = (),
-                 children: list[int] | None = None) -> list[Survivor]:
+                 children: list[int] | None = None, group_ours: bool = True) -> list[Survivor]:
     """Every live process that belongs to `unit`: its group, its session, and
     re-parented orphans (children of the subreaper spawner) tagged with its name.
 
@@ -95,7 +132,9 @@ def find_residue(unit: str, pgid: int, spawner_pid: int, daemon_token: str | Non
     the spawner's children list; /proc is scanned only while the group lives.
     `members=False` skips the group itself (the caller signals it with killpg);
     `mains` are live unit main processes, never orphans, skipped unread;
-    `children` is the spawner's children list when the caller already read it."""
+    `children` is the spawner's children list when the caller already read it;
+    `group_ours=False` (the leader is gone: the pgid number may have been reused)
+    counts a group member only if it carries the unit's tag."""
     out: list[Survivor] = []
     seen: set[int] = set()
 
@@ -108,6 +147,8 @@ def find_residue(unit: str, pgid: int, spawner_pid: int, daemon_token: str | Non
 
     if members and group_alive(pgid):
         for p in linux.scan():
+            if not group_ours and (p.pgid == pgid or p.sid == pgid) and not _tagged(p.pid, unit, daemon_token):
+                continue
             if p.pgid == pgid:
                 add(p, f"process group {pgid}")
             elif p.sid == pgid:
@@ -115,9 +156,7 @@ def find_residue(unit: str, pgid: int, spawner_pid: int, daemon_token: str | Non
     for pid in linux.children_of(spawner_pid) if children is None else children:
         if pid in seen or pid in mains or pid == pgid:
             continue
-        if linux.read_environ_var(pid, UNIT_TAG) != unit:
-            continue
-        if daemon_token is not None and linux.read_environ_var(pid, DAEMON_TAG) not in (daemon_token, None):
+        if not _tagged(pid, unit, daemon_token):
             continue
         st = linux.read_stat(pid)
         add(st, f"orphan tagged {unit}")

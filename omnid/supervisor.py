@@ -26,16 +26,21 @@ from pathlib import Path
 import structlog
 
 from omnid import linux
+from omnid.control import ControlError
+from omnid.lifecycle import Event, Release, UnitView, step
 from omnid.output import UnitOutput
 from omnid.probes import ProbeFailed, http_probe, tcp_probe
-from omnid.process import DAEMON_TAG, UNIT_TAG, ProcessHandle, Survivor, find_residue, group_alive, kill_survivors
+from omnid.process import DAEMON_TAG, UNIT_TAG, ProcessHandle, group_alive
+from omnid.termination import ProcessGroupTarget, StopRecord, terminate
 from omnid.spawnclient import ExitReport, SpawnError, SpawnerClient, SpawnRequest
-from omnid.states import RUNNING, Goal, UnitState, check_transition
+from omnid.states import Goal, UnitState, check_transition
+from omnid.tasks import unit_task
 from omnid.units import Stack
 from omnid.units import Unit as UnitSpec
 
 log = structlog.get_logger("omnid.supervisor")
 S = UnitState
+E = Event
 
 RUNNER = str(Path(__file__).with_name("runner.py"))
 _PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
@@ -46,24 +51,16 @@ class UnitNotFound(KeyError):
     pass
 
 
-@dataclass
-class StopRecord:
-    """What `omnid stop` prints for one unit."""
+class Superseded(ControlError):
+    """An operator request overtaken by another one on the same unit: it is answered
+    with this error at once instead of waiting for a state that will not come."""
 
-    unit: str
-    signal: str
-    seconds: float | None  # signal -> main process and group gone
-    escalated: bool
-    residue: list[str] = field(default_factory=list)  # killed leftovers (orphans)
-    unkillable: list[str] = field(default_factory=list)  # survived SIGKILL + kill_timeout
-    gpu_release_ms: float | None = None
-    was: str = ""  # state before the stop
+    def __init__(self, by: str, units: list[str]) -> None:
+        super().__init__("superseded", f"superseded: {by} requested by another client "
+                                       f"(unit{'s' if len(units) > 1 else ''} {', '.join(units)})")
 
-    def to_json(self) -> dict:
-        # Not dataclasses.asdict: it deep-copies, and a 256-unit summary is on the stop path.
-        return {"unit": self.unit, "signal": self.signal, "seconds": self.seconds, "escalated": self.escalated,
-                "residue": list(self.residue), "unkillable": list(self.unkillable),
-                "gpu_release_ms": self.gpu_release_ms, "was": self.was}
+
+_PID_SUFFIX = re.compile(r" \(pid \d+, while \w+\)")
 
 
 @dataclass
@@ -98,10 +95,19 @@ class Unit:
     last_stop: StopRecord | None = None
     death_detect_ms: float | None = None  # pidfd wake-up -> state change, last death
     deaths: int = 0
+    cause: str = ""  # the last failure, without pid: what dependents' reasons name
+    goal_seq: int = 0  # bumped by every operator start/stop: a waiter sees it was overtaken
+    goal_by: str = ""  # "start" or "stop": the last operator request on this unit
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def dead(self) -> bool:
+        """The main process exited (pidfd readable) and the failure is on its way: from
+        this moment on the unit counts as failed for /health, before the op records it."""
+        return self.proc is not None and self.proc.exited.is_set() and self.op_kind != "stop"
 
     def snapshot(self) -> dict:
         p = self.proc
@@ -174,7 +180,6 @@ class Supervisor:
         self.invariant_violations: list[str] = []
         self.shutting_down = False
         self.started_at = time.time()
-        self.death_latencies_ms: collections.deque = collections.deque(maxlen=1000)
         self.gpu_mib: dict[str, float] = {}  # unit -> GPU memory of its processes (last GPU watch)
         self.degraded: dict[str, str] = {}  # unit -> why (gpu_min_free_mib)
 
@@ -199,9 +204,13 @@ class Supervisor:
         return list(dict.fromkeys(out))
 
     # -------------------------------------------------------------- transition
-    def _transition(self, u: Unit, to: UnitState, reason: str) -> None:
-        """The only place where a unit's state changes."""
+    def _transition(self, u: Unit, event: Event, reason: str, *, failing: bool = False,
+                    leftovers: bool = False) -> None:
+        """The only place where a unit's state changes: lifecycle.step decides the new
+        state; the synchronous actions are carried out here, the timed ones (spawn,
+        signals, timers) by the op that fed the event in (_start, _stop, _fail_*)."""
         frm = u.state
+        to, actions = step(UnitView(u.name, frm, u.goal, failing=failing, leftovers=leftovers), event)
         check_transition(u.name, frm, to)
         u.state = to
         u.reason = reason
@@ -210,8 +219,9 @@ class Supervisor:
             u.ready = False
             self._stop_monitors(u)
         pid = u.proc.pid if u.proc else None
-        if to in (S.INACTIVE, S.FAILED):
-            self._release(u)
+        for action in actions:
+            if isinstance(action, Release):
+                self._release(u)
         log.info("unit state", unit=u.name, **{"from": frm.value, "to": to.value}, reason=reason, pid=pid)
         self.publish({"ts": time.time(), "unit": u.name, "pid": pid, "from": frm.value, "to": to.value,
                       "reason": reason})
@@ -274,11 +284,37 @@ class Supervisor:
         if u.goal is Goal.INACTIVE:
             return "stopped by request" if not self.shutting_down else "stack stopping"
         for r in u.spec.requires:
-            ru = self.units[r]
-            if self._down(ru):
-                what = ru.reason if ru.state in (S.FAILED, S.INACTIVE, S.STOPPING) else ru.state.value
-                return f"stopped: requires {r} ({ru.state.value}: {what})" if what else f"stopped: requires {r} ({ru.state.value})"
+            if self._down(self.units[r]):
+                return f"stopped: requires {self._root_cause(r)}"
         return None
+
+    def _root_cause(self, name: str, seen: frozenset = frozenset()) -> str:
+        """Why unit `name` is unavailable, down to the unit that started it:
+        "engine@0, which requires worker@1, which failed: killed by SIGKILL"."""
+        ru = self.units[name]
+        if ru.state is S.FAILED or ru.dead or ru.op_kind in ("fail", "recover"):
+            return f"{name}, which failed: {ru.cause or ru.reason}"
+        if ru.goal is Goal.INACTIVE:
+            return f"{name}, which {'is stopping with the stack' if self.shutting_down else 'was stopped by request'}"
+        if name not in seen:
+            for r in ru.spec.requires:
+                if self._down(self.units[r], seen | {name}):
+                    return f"{name}, which requires {self._root_cause(r, seen | {name})}"
+        return f"{name}, which is {ru.state.value}" + (f" ({ru.reason})" if ru.reason else "")
+
+    def _refresh_waiting_reasons(self) -> None:
+        """A unit stopped for a requirement keeps naming the current root cause."""
+        for name in self.order:
+            u = self.units[name]
+            if u.state is not S.INACTIVE or u.op is not None or not u.reason.startswith("stopped: requires "):
+                continue
+            for r in u.spec.requires:
+                if self._down(self.units[r]):
+                    why = f"stopped: requires {self._root_cause(r)}"
+                    if why != u.reason:
+                        u.reason = why
+                        self._notify_changed()
+                    break
 
     def _blocked_by_dependents(self, u: Unit) -> bool:
         """Units ordered after this one that are going down must be gone first."""
@@ -344,6 +380,7 @@ class Supervisor:
             u = self.units[name]
             if self._may_start(u, now):
                 self._launch(u, "start", self._start(u))
+        self._refresh_waiting_reasons()
 
     def _launch(self, u: Unit, kind: str, coro: Awaitable[None]) -> None:
         u.op_kind = kind
@@ -355,25 +392,51 @@ class Supervisor:
         except asyncio.CancelledError:
             if kind != "start":
                 log.error("op cancelled", unit=u.name, op=kind)
-        except Exception:  # noqa: BLE001 - no op failure goes unseen
+        except Exception as exc:  # noqa: BLE001 - no op failure goes unseen
             log.exception("op crashed", unit=u.name, op=kind)
-            if u.state in (S.STARTING, S.ACTIVE):
-                # Never leave a unit half-managed: treat it as failed.
+            if u.op is asyncio.current_task():
                 u.op = None
                 u.op_kind = ""
-                what = f"internal error during {kind}"
-                if u.proc is None:  # crashed before a process existed: nothing to stop
-                    self._record_failure(u, what)
-                    self._transition(u, S.FAILED, self._failure_reason(u, what))
-                else:
-                    self._launch(u, "fail", self._fail_alive(u, what))
-                return
+            self._after_crash(u, kind, exc)
+            return
         finally:
             if u.op is asyncio.current_task():
                 u.op = None
                 u.op_kind = ""
                 self._kick()
                 self._notify_changed()
+
+    def _after_crash(self, u: Unit, kind: str, exc: BaseException) -> None:
+        """Never leave a unit half-managed after a bug in one of its ops: it fails."""
+        what = f"internal error during {kind}: {type(exc).__name__}: {exc}"
+        if u.op is not None:
+            return  # another op already took over
+        if u.state in (S.STARTING, S.ACTIVE):
+            if u.proc is None:  # crashed before a process existed: nothing to stop
+                self._record_failure(u, what)
+                self._transition(u, E.EXITED, self._failure_reason(u, what))
+            else:
+                self._launch(u, "fail", self._fail_alive(u, what, E.INTERNAL_ERROR))
+        elif u.state is S.STOPPING:
+            if kind == "recover":
+                self._abandon(u, what)
+            else:
+                self._launch(u, "recover", self._recover_stopping(u, what))
+
+    async def _recover_stopping(self, u: Unit, what: str) -> None:
+        """A stop or failure op crashed mid-way: SIGKILL what is left, then failed."""
+        h = u.proc
+        self._record_failure(u, what)
+        if h is not None:
+            await terminate(self._target(u, h), signal.SIGKILL, u.spec.kill_timeout, 0.0, send_cont=False)
+        self._transition(u, E.GONE, self._failure_reason(u, what), failing=True)
+
+    def _abandon(self, u: Unit, what: str) -> None:
+        """Last resort when even the recovery crashed: SIGKILL by pidfd, and failed."""
+        if u.proc is not None:
+            u.proc.signal(signal.SIGKILL)
+            u.proc.signal_group(signal.SIGKILL, self.token)
+        self._transition(u, E.KILL_TIMEOUT, what, failing=True)
 
     # -------------------------------------------------------------------- start
     def _argv(self, spec: UnitSpec) -> list[str]:
@@ -422,7 +485,7 @@ class Supervisor:
         held = self._gpu_held_by_leftover(u)
         if held:
             self._record_failure(u, held)
-            self._transition(u, S.FAILED, self._failure_reason(u, held))
+            self._transition(u, E.SPAWN_FAILED, self._failure_reason(u, held))
             return
         r, w = os.pipe2(os.O_CLOEXEC)
         req = SpawnRequest(unit=u.name, argv=tuple(self._argv(spec)), env=self._env(u), cwd=spec.cwd,
@@ -432,7 +495,7 @@ class Supervisor:
         except SpawnError as exc:
             os.close(r)
             self._record_failure(u, str(exc))
-            self._transition(u, S.FAILED, self._failure_reason(u, str(exc)))
+            self._transition(u, E.SPAWN_FAILED, self._failure_reason(u, str(exc)))
             return
         finally:
             os.close(w)
@@ -449,7 +512,7 @@ class Supervisor:
             self._apply_notify(u, fields)
         asyncio.get_running_loop().add_reader(h.pidfd, self._on_pidfd, u, h)
         self.on_pids_changed()
-        self._transition(u, S.STARTING, reason)  # kicks converge: a stop may be waiting for this spawn
+        self._transition(u, E.SPAWNED, reason)  # kicks converge: a stop may be waiting for this spawn
         log.debug("spawned", unit=u.name, pid=h.pid, argv=list(spec.exec))
         await self._await_ready(u, h)
 
@@ -491,9 +554,9 @@ class Supervisor:
             if exc is None:
                 self._become_active(u)
                 return
-            await self._fail_alive(u, f"readiness check failed: {exc}")
+            await self._fail_alive(u, f"readiness check failed: {exc}", E.NOT_READY_IN_TIME)
             return
-        await self._fail_alive(u, f"not ready after {spec.ready_timeout:g} s")
+        await self._fail_alive(u, f"not ready after {spec.ready_timeout:g} s", E.NOT_READY_IN_TIME)
 
     async def _readiness(self, u: Unit) -> None:
         ready = u.spec.ready
@@ -521,7 +584,7 @@ class Supervisor:
     def _become_active(self, u: Unit) -> None:
         u.ready = True
         u.active_since = time.monotonic()
-        self._transition(u, S.ACTIVE, "ready" if u.spec.ready.kind != "started" else "started")
+        self._transition(u, E.READY, "ready" if u.spec.ready.kind != "started" else "started")
         self._start_monitors(u)
 
     # ---------------------------------------------------------------- monitors
@@ -530,7 +593,8 @@ class Supervisor:
             u.watchdog_last = time.monotonic()
             self._arm_watchdog(u)
         if u.spec.liveness is not None:
-            u.monitor = asyncio.get_running_loop().create_task(self._liveness(u))
+            u.monitor = unit_task(self._liveness(u), unit=u.name, kind="liveness",
+                                  on_crash=lambda exc: self._monitor_crashed(u, exc))
 
     def _stop_monitors(self, u: Unit) -> None:
         if u.watchdog_timer is not None:
@@ -552,7 +616,7 @@ class Supervisor:
         u.watchdog_timer = None
         if u.state is S.ACTIVE and u.op is None:
             silent = time.monotonic() - u.watchdog_last
-            self._launch(u, "fail", self._fail_alive(u, f"watchdog: no ping for {silent:.1f} s"))
+            self._launch(u, "fail", self._fail_alive(u, f"watchdog: no ping for {silent:.1f} s", E.WATCHDOG_EXPIRED))
 
     async def _liveness(self, u: Unit) -> None:
         probe = u.spec.liveness
@@ -563,14 +627,24 @@ class Supervisor:
             try:
                 await http_probe(probe.url, probe.timeout)
                 failures = 0
+                continue
             except ProbeFailed as exc:
-                failures += 1
-                log.warning("liveness probe failed", unit=u.name, error=str(exc), count=failures,
-                            of=probe.failures)
-                if failures >= probe.failures and u.state is S.ACTIVE and u.op is None:
-                    u.monitor = None
-                    self._launch(u, "fail", self._fail_alive(u, f"liveness: {exc} ({failures}/{probe.failures})"))
-                    return
+                why = str(exc)
+            except Exception as exc:  # noqa: BLE001 - any probe error is a failed probe, never a dead monitor
+                why = f"GET {probe.url}: {type(exc).__name__}: {exc}"
+            failures += 1
+            log.warning("liveness probe failed", unit=u.name, error=why, count=failures, of=probe.failures)
+            if failures >= probe.failures and u.state is S.ACTIVE and u.op is None:
+                u.monitor = None
+                self._launch(u, "fail", self._fail_alive(u, f"liveness: {why} ({failures}/{probe.failures})", E.LIVENESS_FAILED))
+                return
+
+    def _monitor_crashed(self, u: Unit, exc: BaseException) -> None:
+        """A monitor task died of a bug: the unit is no longer watched, so it fails."""
+        u.monitor = None
+        if u.state is S.ACTIVE and u.op is None:
+            self._launch(u, "fail", self._fail_alive(u, f"internal error in liveness monitor: "
+                                                         f"{type(exc).__name__}: {exc}", E.INTERNAL_ERROR))
 
     # ------------------------------------------------------------------ notify
     def on_notify(self, sender_pid: int, fields: dict[str, str]) -> str | None:
@@ -613,7 +687,7 @@ class Supervisor:
             if u.watchdog_timer is not None:
                 self._arm_watchdog(u)
         elif fields.get("WATCHDOG") == "trigger" and u.state is S.ACTIVE and u.op is None:
-            self._launch(u, "fail", self._fail_alive(u, "watchdog: unit asked to be killed (WATCHDOG=trigger)"))
+            self._launch(u, "fail", self._fail_alive(u, "watchdog: unit asked to be killed (WATCHDOG=trigger)", E.WATCHDOG_EXPIRED))
 
     # -------------------------------------------------------------- death path
     def _on_pidfd(self, u: Unit, h: ProcessHandle) -> None:
@@ -641,6 +715,7 @@ class Supervisor:
 
     def _record_failure(self, u: Unit, what: str) -> None:
         u.last_exit = what
+        u.cause = _PID_SUFFIX.sub("", what)
         u.deaths += 1
 
     def _failure_reason(self, u: Unit, what: str) -> str:
@@ -681,35 +756,31 @@ class Supervisor:
             what += " after STOPPING=1"
         what = f"{what} (pid {h.pid}, while {u.state.value})"
         self._record_failure(u, what)
-        leftovers = self._residue(u, h)
+        target = self._target(u, h)
+        leftovers = target.members()
         if leftovers:
-            # A half-dead unit never lingers: SIGKILL its group and escaped orphans now.
-            h.signal_group(signal.SIGKILL)
-            kill_survivors(leftovers)
-            self._transition(u, S.STOPPING, f"{what}; killing {len(leftovers)} leftover process(es)")
-            await self._wait_gone(u, h, time.monotonic() + u.spec.kill_timeout)
-            left = self._residue(u, h)
-            if left:
-                log.error("unkillable processes after failure", unit=u.name,
-                          survivors=[s.describe() for s in left])
-        latency = (time.monotonic() - t_wake) * 1000
-        u.death_detect_ms = latency
-        self.death_latencies_ms.append(latency)
-        self._transition(u, S.FAILED, self._failure_reason(u, what))
+            # A half-dead unit never lingers: SIGKILL its group and escaped orphans now
+            # (the same policy as a stop, with SIGKILL first).
+            self._transition(u, E.EXITED, f"{what}; killing {len(leftovers)} leftover process(es)", leftovers=True)
+            rec = await terminate(target, signal.SIGKILL, u.spec.kill_timeout, 0.0, send_cont=False)
+            if rec.unkillable:
+                log.error("unkillable processes after failure", unit=u.name, survivors=rec.unkillable)
+        u.death_detect_ms = (time.monotonic() - t_wake) * 1000
+        self._transition(u, E.GONE if u.state is S.STOPPING else E.EXITED, self._failure_reason(u, what), failing=True)
 
-    async def _fail_alive(self, u: Unit, what: str) -> None:
+    async def _fail_alive(self, u: Unit, what: str, event: Event) -> None:
         """A unit whose main process lives but failed (timeout, watchdog, liveness): stop it, then failed."""
         h = u.proc
         assert h is not None
         self._record_failure(u, what)
-        self._transition(u, S.STOPPING, what)
+        self._transition(u, event, what)
         # A hung unit gets no SIGCONT: SIGKILL at stop_timeout if it does not exit.
         rec = await self._terminate(u, h, u.spec.stop_signal, send_cont=False)
         if h.exit_status is not None:
             code, sig, _ = linux.describe_wait_status(h.exit_status)
             u.last_exit_code, u.last_signal = code, sig
         u.last_stop = rec
-        self._transition(u, S.FAILED, self._failure_reason(u, what))
+        self._transition(u, E.KILL_TIMEOUT if rec.unkillable else E.GONE, self._failure_reason(u, what), failing=True)
 
     # -------------------------------------------------------------------- stop
     def _launch_stop(self, batch: list[tuple[Unit, str]]) -> None:
@@ -724,7 +795,7 @@ class Supervisor:
         h = u.proc
         assert h is not None  # starting and active units always hold their process
         was = u.state.value
-        self._transition(u, S.STOPPING, why)
+        self._transition(u, E.DEPENDENCY_DOWN if why.startswith("stopped: requires") else E.STOP_REQUESTED, why)
         rec = await self._terminate(u, h, u.spec.stop_signal, send_cont=True, orphans=orphans)
         rec.was = was
         u.last_stop = rec
@@ -735,67 +806,23 @@ class Supervisor:
         final = why
         if rec.unkillable:
             final = f"{why}; UNKILLABLE: {'; '.join(rec.unkillable)}"
-        self._transition(u, S.INACTIVE, final)
+        self._transition(u, E.KILL_TIMEOUT if rec.unkillable else E.GONE, final)
 
-    def _residue(self, u: Unit, h: ProcessHandle, members: bool = True,
-                 children: list[int] | None = None) -> list[Survivor]:
-        mains = self._by_pid.keys() - {h.pid}
-        return find_residue(u.name, h.pgid, self.spawner.pid, self.token, members=members, mains=mains,
-                            children=children)
-
-    async def _wait_gone(self, u: Unit, h: ProcessHandle, deadline: float) -> bool:
-        """Wait until the main process is reaped and the process group is empty, or the deadline."""
-        try:
-            await asyncio.wait_for(h.reaped.wait(), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            return False
-        while group_alive(h.pgid):
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(GROUP_POLL_S)
-        return True
+    def _target(self, u: Unit, h: ProcessHandle, orphans: list[int] | None = None) -> ProcessGroupTarget:
+        """What of this unit the kill policy acts on (a cgroup backend plugs in here)."""
+        return ProcessGroupTarget(u.name, h, self.spawner.pid, self.token, mains=self._by_pid.keys() - {h.pid},
+                                  orphans=orphans)
 
     async def _terminate(self, u: Unit, h: ProcessHandle, first: int, *, send_cont: bool,
                          orphans: list[int] | None = None) -> StopRecord:
-        """The kill policy: first signal to the group, wait stop_timeout, SIGKILL, wait
-        kill_timeout, then sweep orphans; report what could not be killed."""
+        """The one kill policy (omnid.termination) on this unit, then the GPU release check."""
         spec = u.spec
-        t0 = time.monotonic()
-        rec = StopRecord(unit=u.name, signal=linux.signal_name(first), seconds=None, escalated=False)
-        # Escaped orphans get the stop signal too; the group gets it by killpg.
-        extra = self._residue(u, h, members=False, children=orphans)
-        every_pid = {h.pid, *(s.pid for s in extra)}  # for the GPU release check
-        if self.gpu is not None and getattr(self.gpu, "available", False):
-            every_pid.update(s.pid for s in self._residue(u, h))
-        h.signal_group(first)
-        kill_survivors(extra, first)
-        if send_cont:
-            h.signal_group(signal.SIGCONT)
-        gone = await self._wait_gone(u, h, t0 + spec.stop_timeout)
-        if not gone:
-            rec.escalated = True
-            t_kill = time.monotonic()
-            h.signal_group(signal.SIGKILL)
-            kill_survivors(self._residue(u, h, members=False))
-            log.warning("stop timeout: sent SIGKILL", unit=u.name, after_s=round(t_kill - t0, 3))
-            gone = await self._wait_gone(u, h, t_kill + spec.kill_timeout)
-        if h.reaped.is_set():
-            rec.seconds = round(time.monotonic() - t0, 4)
-        # Orphans that escaped the group (double fork + setsid) die too.
-        leftovers = self._residue(u, h)
-        if leftovers:
-            rec.residue = [s.describe() for s in leftovers]
-            kill_survivors(leftovers)
-            deadline = time.monotonic() + spec.kill_timeout
-            while leftovers and time.monotonic() < deadline:
-                await asyncio.sleep(GROUP_POLL_S * 2)
-                leftovers = self._residue(u, h)
-        if leftovers:
-            rec.unkillable = [s.describe() for s in leftovers]
-            log.error("unkillable processes", unit=u.name, survivors=rec.unkillable)
-        if self.gpu is not None and getattr(self.gpu, "available", False):
-            rec.gpu_release_ms = await self._gpu_release(h.pid, [*every_pid, *(s.pid for s in leftovers)],
-                                                         spec.kill_timeout)
+        target = self._target(u, h, orphans)
+        gpu_on = self.gpu is not None and getattr(self.gpu, "available", False)
+        every_pid = {h.pid, *(s.pid for s in target.members())} if gpu_on else set()
+        rec = await terminate(target, first, spec.stop_timeout, spec.kill_timeout, send_cont=send_cont)
+        if gpu_on:
+            rec.gpu_release_ms = await self._gpu_release(h.pid, list(every_pid), spec.kill_timeout)
         log.info("stopped", unit=u.name, signal=rec.signal, seconds=rec.seconds, escalated=rec.escalated,
                  residue=len(rec.residue), unkillable=len(rec.unkillable))
         return rec
@@ -811,6 +838,40 @@ class Supervisor:
             return None
 
     # --------------------------------------------------------------- operators
+    def _claim(self, names: Iterable[str], by: str) -> dict[str, int]:
+        """Record an operator request on these units; returns what its waiter checks."""
+        out = {}
+        for n in names:
+            u = self.units[n]
+            u.goal_seq += 1
+            u.goal_by = by
+            out[n] = u.goal_seq
+        return out
+
+    def _overtaken(self, claims: dict[str, int]) -> tuple[str, list[str]] | None:
+        """(what overtook, which units) if another request changed these units' goal."""
+        hit = [n for n, seq in claims.items() if self.units[n].goal_seq != seq]
+        if not hit:
+            return None
+        return self.units[hit[0]].goal_by, hit
+
+    def _settled_up(self, u: Unit) -> bool:
+        """A unit a start waits for is done: active, or failed/inactive for good."""
+        if u.op is not None:
+            return False
+        if u.state is S.ACTIVE:
+            return True
+        if u.state is S.FAILED:
+            return not u.restart_pending
+        return u.state is S.INACTIVE and self._stuck(u)
+
+    async def _wait_request(self, claims: dict[str, int], done: Callable[[], bool], timeout: float | None) -> None:
+        """Wait until done() or until another request overtakes this one (then Superseded)."""
+        await self.wait_until(lambda: done() or self._overtaken(claims) is not None, timeout)
+        over = self._overtaken(claims)
+        if over is not None and not done():
+            raise Superseded(*over)
+
     async def start_units(self, names: list[str] | None, timeout: float | None = None) -> list[dict]:
         """Operator start: the named units (all when None) and everything they require."""
         targets = self.expand(names) if names else list(self.order)
@@ -831,21 +892,9 @@ class Supervisor:
             if u.state is S.FAILED and u.op is None:
                 u.restart_pending = True
                 u.restart_at = 0.0
+        claims = self._claim(closure, "start")
         self._kick()
-
-        def done() -> bool:
-            for n in targets:
-                u = self.units[n]
-                if u.state is S.ACTIVE and u.op is None:
-                    continue
-                if u.op is None and u.state is S.FAILED and not u.restart_pending:
-                    continue
-                if u.op is None and u.state is S.INACTIVE and self._stuck(u):
-                    continue
-                return False
-            return True
-
-        await self.wait_until(done, timeout)
+        await self._wait_request(claims, lambda: all(self._settled_up(self.units[n]) for n in targets), timeout)
         return [self.units[n].snapshot() for n in targets]
 
     def _stuck(self, u: Unit) -> bool:
@@ -854,7 +903,7 @@ class Supervisor:
             ru = self.units[r]
             if ru.state is S.FAILED and not ru.restart_pending:
                 return True
-            if ru.state is S.INACTIVE and ru.op is None and self._stuck(ru):
+            if ru.state is S.INACTIVE and ru.op is None and (ru.goal is Goal.INACTIVE or self._stuck(ru)):
                 return True
         return False
 
@@ -870,28 +919,43 @@ class Supervisor:
             u.goal = Goal.INACTIVE
             u.restart_pending = False
             if u.state is S.FAILED and u.op is None:
-                self._transition(u, S.INACTIVE, f"stopped by request (was failed: {u.reason})")
+                self._transition(u, E.STOP_REQUESTED, f"stopped by request (was failed: {u.reason})")
+        claims = self._claim(targets, "stop")
         self._kick()
 
         def done() -> bool:
             return all(self.units[n].op is None and self.units[n].state in (S.INACTIVE, S.FAILED)
                        for n in closure)
 
-        await self.wait_until(done, timeout)
+        await self._wait_request(claims, done, timeout)
         stop_order = list(reversed(self.order))
         recs = [self.units[n].last_stop for n in stop_order
                 if self.units[n].last_stop is not None and self.units[n].last_stop is not before[n]]
         return recs  # type: ignore[return-value]
 
     async def restart_units(self, names: list[str], timeout: float | None = None) -> list[dict]:
-        await self.stop_units(names, timeout)
-        return await self.start_units(names, timeout)
+        """Stop the named units (and what requires them), start them again, and wait until
+        everything this took down is back too; returns all of them (the caller sees which
+        did not come back by their state and reason)."""
+        targets = self.expand(names)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        dependents = [d.name for n in targets for d in self.stack.dependents(n)]
+        took_down = [n for n in dict.fromkeys(dependents) if n not in targets
+                     and self.units[n].goal is Goal.ACTIVE and self.units[n].state in (S.STARTING, S.ACTIVE)]
+        await self.stop_units(targets, timeout)
+        left = None if deadline is None else max(0.1, deadline - time.monotonic())
+        await self.start_units(targets, left)
+        back = [*targets, *(n for n in self.order if n in took_down)]
+        claims = {n: self.units[n].goal_seq for n in back}
+        left = None if deadline is None else max(0.1, deadline - time.monotonic())
+        await self._wait_request(claims, lambda: all(self._settled_up(self.units[n]) for n in back), left)
+        return [self.units[n].snapshot() for n in back]
 
     def kill_unit(self, name: str, sig: int) -> list[str]:
         out = []
         for n in self.expand([name]):
             u = self.units[n]
-            if u.proc is not None and u.proc.signal_group(sig):
+            if u.proc is not None and u.proc.signal_group(sig, self.token):
                 out.append(n)
         return out
 

@@ -1,0 +1,229 @@
+"""The one termination policy (after trio's single kill policy): first signal,
+wait `stop_timeout`, SIGKILL, wait `kill_timeout`, sweep what escaped, report
+what could not be killed. Operator stop, failure, daemon shutdown and leftover
+cleanup all run `terminate`; the spawner's own cleanup follows the same order.
+
+What is terminated is a `Target`: today a process group proven ours by its
+leader's pidfd (`ProcessGroupTarget`) or a list of proven leftovers
+(`LeftoverTarget`); a cgroup v2 backend plugs in by implementing the same five
+methods (signal_all / kill_all / main_gone / wait_gone / members).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import signal
+import time
+from collections.abc import Container
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import structlog
+
+from omnid import linux
+from omnid.process import ProcessHandle, Survivor, find_residue, group_alive, kill_survivors
+
+log = structlog.get_logger("omnid.termination")
+
+POLL_S = 0.005
+
+
+@dataclass
+class StopRecord:
+    """What `omnid stop` prints for one unit."""
+
+    unit: str
+    signal: str
+    seconds: float | None  # signal -> main process and group gone
+    escalated: bool
+    residue: list[str] = field(default_factory=list)  # killed leftovers (orphans)
+    unkillable: list[str] = field(default_factory=list)  # survived SIGKILL + kill_timeout
+    gpu_release_ms: float | None = None
+    was: str = ""  # state before the stop
+
+    def to_json(self) -> dict:
+        # Not dataclasses.asdict: it deep-copies, and a 256-unit summary is on the stop path.
+        return {"unit": self.unit, "signal": self.signal, "seconds": self.seconds, "escalated": self.escalated,
+                "residue": list(self.residue), "unkillable": list(self.unkillable),
+                "gpu_release_ms": self.gpu_release_ms, "was": self.was}
+
+
+class Target(Protocol):
+    """Everything that belongs to one unit, as far as the kernel can prove it."""
+
+    name: str
+
+    def signal_all(self, sig: int) -> None:
+        """Send sig to every process of the target (first signal, SIGCONT)."""
+
+    def kill_all(self) -> None:
+        """SIGKILL every process of the target, escaped ones included."""
+
+    def main_gone(self) -> bool:
+        """Has the main process exited and been reaped?"""
+
+    async def wait_gone(self, deadline: float) -> bool:
+        """Wait (monotonic deadline) until nothing of the target runs; False at the deadline."""
+
+    def members(self) -> list[Survivor]:
+        """What of the target still lives (residue), described for the operator."""
+
+
+class ProcessGroupTarget:
+    """A unit's main process, its process group and its tagged escaped orphans.
+
+    The group is signalled by number only while the leader's pidfd proves it is
+    still ours (ProcessHandle.signal_group); escaped orphans are children of the
+    subreaper spawner carrying the unit's tag, each signalled through a pidfd."""
+
+    def __init__(self, unit: str, h: ProcessHandle, spawner_pid: int, token: str | None, *,
+                 mains: Container[int] = (), orphans: list[int] | None = None) -> None:
+        self.name = unit
+        self.h = h
+        self.spawner_pid = spawner_pid
+        self.token = token
+        self.mains = mains
+        self._orphans = orphans
+        self._group_ours = True  # until the leader is reaped
+
+    def _residue(self, members: bool, children: list[int] | None = None) -> list[Survivor]:
+        ours = self._group_ours and not self.h.reaped.is_set()
+        return find_residue(self.name, self.h.pgid, self.spawner_pid, self.token, members=members,
+                            mains=self.mains, children=children, group_ours=ours)
+
+    def signal_all(self, sig: int) -> None:
+        extra = self._residue(members=False, children=self._orphans)
+        self._orphans = None  # a list read for a whole tier is good for the first signal only
+        self.h.signal_group(sig, self.token)
+        kill_survivors(extra, sig)
+
+    def kill_all(self) -> None:
+        self.h.signal(signal.SIGKILL)
+        self.h.signal_group(signal.SIGKILL, self.token)
+        kill_survivors(self._residue(members=False))
+
+    def main_gone(self) -> bool:
+        return self.h.reaped.is_set()
+
+    def _group_left(self) -> bool:
+        if not group_alive(self.h.pgid):
+            return False
+        if self.h.leader_alive():
+            return True
+        # The leader is gone: the number alone may name a stranger's group now.
+        return any(s for s in find_residue(self.name, self.h.pgid, self.spawner_pid, self.token,
+                                           mains=self.mains, children=[], group_ours=False))
+
+    async def wait_gone(self, deadline: float) -> bool:
+        try:
+            await asyncio.wait_for(self.h.reaped.wait(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return False
+        while self._group_left():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(POLL_S)
+        return True
+
+    def members(self) -> list[Survivor]:
+        return self._residue(members=True)
+
+
+class LeftoverTarget:
+    """Processes of a previous daemon instance, proven ours (pid + start time, or tag):
+    each held by a pidfd opened after the proof, so a recycled pid is never hit."""
+
+    def __init__(self, name: str, survivors: list[Survivor]) -> None:
+        self.name = name
+        self._fds: dict[int, tuple[Survivor, int]] = {}
+        for s in survivors:
+            try:
+                fd = os.pidfd_open(s.pid)
+            except ProcessLookupError:
+                continue
+            if s.start_time and linux.start_time_of(s.pid) != s.start_time:
+                os.close(fd)
+                continue
+            self._fds[s.pid] = (s, fd)
+
+    def _live(self) -> list[tuple[Survivor, int]]:
+        out = []
+        for s, fd in self._fds.values():
+            p = select.poll()
+            p.register(fd, select.POLLIN)
+            if not p.poll(0):
+                out.append((s, fd))
+        return out
+
+    def signal_all(self, sig: int) -> None:
+        for _s, fd in self._live():
+            linux.pidfd_send_signal(fd, sig)
+
+    def kill_all(self) -> None:
+        self.signal_all(signal.SIGKILL)
+
+    def main_gone(self) -> bool:
+        return not self._live()
+
+    async def wait_gone(self, deadline: float) -> bool:
+        while self._live():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(POLL_S)
+        return True
+
+    def members(self) -> list[Survivor]:
+        return [s for s, _fd in self._live()]
+
+    def close(self) -> None:
+        for _s, fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+async def terminate(target: Target, stop_signal: int, stop_timeout: float, kill_timeout: float, *,
+                    send_cont: bool = True) -> StopRecord:
+    """The kill policy: stop_signal (then SIGCONT, so a stopped process can act on it)
+    to everything of the target, wait stop_timeout, SIGKILL, wait kill_timeout, then
+    sweep what escaped; report what could not be killed. Every wait is bounded."""
+    t0 = time.monotonic()
+    rec = StopRecord(unit=target.name, signal=linux.signal_name(stop_signal), seconds=None, escalated=False)
+    target.signal_all(stop_signal)
+    if send_cont and stop_signal not in (signal.SIGKILL, signal.SIGCONT):
+        target.signal_all(signal.SIGCONT)
+    gone = await target.wait_gone(t0 + stop_timeout)
+    if not gone:
+        rec.escalated = stop_signal != signal.SIGKILL
+        t_kill = time.monotonic()
+        target.kill_all()
+        if rec.escalated:
+            log.warning("stop timeout: sent SIGKILL", unit=target.name, after_s=round(t_kill - t0, 3))
+        gone = await target.wait_gone(t_kill + kill_timeout)
+    if target.main_gone():
+        rec.seconds = round(time.monotonic() - t0, 4)
+    # Orphans that escaped the group (double fork + setsid) die too.
+    leftovers = target.members()
+    if leftovers:
+        rec.residue = [s.describe() for s in leftovers]
+        kill_survivors(leftovers)
+        deadline = time.monotonic() + kill_timeout
+        while leftovers and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S * 2)
+            leftovers = target.members()
+    if leftovers:
+        rec.unkillable = [s.describe() for s in leftovers]
+        log.error("unkillable processes", unit=target.name, survivors=rec.unkillable)
+    return rec
+
+
+def terminate_leftovers(survivors: list[Survivor], kill_timeout: float = 5.0) -> list[str]:
+    """For statefile.kill_leftovers (daemon start, before the loop runs): the same policy
+    with SIGKILL as the first signal. Returns descriptions of what still lives."""
+    target = LeftoverTarget("leftovers of a previous daemon", survivors)
+    try:
+        rec = asyncio.run(terminate(target, signal.SIGKILL, kill_timeout, 0.0, send_cont=False))
+    finally:
+        target.close()
+    return rec.unkillable

@@ -1,0 +1,278 @@
+"""Issue #8: no asyncio task that can die unseen. Each kind of task (liveness, stop,
+control reader, GPU watch) gets an injected exception; the daemon recovers and no
+unit stays in `stopping`. Processes are checked in /proc, not through omnid."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from omnid import health, linux, supervisor
+from omnid.control import ControlServer
+from omnid.process import ProcessHandle
+from omnid.states import UnitState as S
+from omnid.tasks import DaemonTask
+from omnid.termination import ProcessGroupTarget, terminate
+from tests import insup
+from tests.harness import alive, free_port
+
+
+def _live(pid: int) -> bool:
+    return alive(pid)
+
+
+# ------------------------------------------------------------------ liveness
+def test_liveness_monitor_survives_a_probe_that_raises_an_unexpected_error(monkeypatch):
+    calls = []
+
+    async def broken_probe(url, timeout):
+        calls.append(url)
+        raise RuntimeError("injected probe bug")
+
+    monkeypatch.setattr(supervisor, "http_probe", broken_probe)
+    unit = insup.SLEEPER + 'liveness = { http = "http://127.0.0.1:9/", interval = 0.05, timeout = 0.2, failures = 2 }\n'
+
+    async def body(sup):
+        u = sup.units["a"]
+        await insup.until(lambda: u.state is S.ACTIVE, 10, "a active", sup)
+        pid = u.proc.pid
+        await insup.until(lambda: u.state is S.FAILED, 10, "a failed by liveness", sup)
+        assert "liveness:" in u.reason and "RuntimeError: injected probe bug" in u.reason, u.reason
+        assert len(calls) >= 2
+        await insup.until(lambda: not _live(pid), 5, "the main process gone from /proc")
+
+    insup.run({"a": unit}, body)
+
+
+def test_liveness_probe_with_a_status_line_over_64k_fails_the_unit():
+    """http_probe used to raise ValueError here, which ended the liveness task silently."""
+
+    async def body_with_server(sup, port):
+        u = sup.units["a"]
+        await insup.until(lambda: u.state is S.FAILED, 15, "a failed by liveness", sup)
+        assert "status line over 64 KiB" in u.reason, u.reason
+
+    port = free_port()
+    unit = insup.SLEEPER + (f'liveness = {{ http = "http://127.0.0.1:{port}/", interval = 0.05, timeout = 1, '
+                            'failures = 2 }\n')
+
+    async def body(sup):
+        async def answer(reader, writer):
+            await reader.read(100)
+            writer.write(b"HTTP/1.1 200 " + b"x" * 70000 + b"\r\n\r\n")
+            try:
+                await writer.drain()
+            except OSError:
+                pass
+            writer.close()
+
+        server = await asyncio.start_server(answer, "127.0.0.1", port)
+        try:
+            await body_with_server(sup, port)
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    insup.run({"a": unit}, body)
+
+
+def test_a_crash_inside_the_liveness_task_fails_the_unit(monkeypatch):
+    async def crashing_liveness(self, u):
+        raise KeyError("injected monitor bug")
+
+    monkeypatch.setattr(supervisor.Supervisor, "_liveness", crashing_liveness)
+    unit = insup.SLEEPER + 'liveness = { http = "http://127.0.0.1:9/", interval = 5, timeout = 1, failures = 3 }\n'
+
+    async def body(sup):
+        u = sup.units["a"]
+        await insup.until(lambda: u.state is S.FAILED, 10, "a failed", sup)
+        assert "internal error in liveness monitor" in u.reason, u.reason
+
+    insup.run({"a": unit}, body)
+
+
+# ---------------------------------------------------------------------- stop
+def test_a_crash_inside_the_stop_op_leaves_no_unit_in_stopping():
+    async def body(sup):
+        u = sup.units["a"]
+        await insup.until(lambda: u.state is S.ACTIVE, 10, "a active", sup)
+        pid = u.proc.pid
+        real = sup._terminate
+        crashed = []
+
+        async def crash_once(*a, **kw):
+            if not crashed:
+                crashed.append(1)
+                raise RuntimeError("injected stop bug")
+            return await real(*a, **kw)
+
+        sup._terminate = crash_once
+        await asyncio.wait_for(sup.stop_units(["a"], 20), 25)
+        assert crashed
+        assert u.state is S.FAILED and u.op is None, (u.state, u.reason)
+        assert "internal error during stop" in u.reason, u.reason
+        assert not _live(pid), f"pid {pid} still alive after the crashed stop"
+        assert not sup.verify(), sup.verify()
+
+    insup.run({"a": insup.SLEEPER}, body)
+
+
+# -------------------------------------------------------------- /health window
+def test_health_says_failed_between_the_pidfd_firing_and_the_failure_op():
+    async def body(sup):
+        u = sup.units["a"]
+        await insup.until(lambda: u.state is S.ACTIVE, 10, "a active", sup)
+        assert health.overall(sup, {}) == "ok"
+        gate = asyncio.Event()
+        real = sup._fail_after_exit
+
+        async def gated(unit, h):
+            await gate.wait()
+            await real(unit, h)
+
+        sup._fail_after_exit = gated
+        h = u.proc
+        os.kill(h.pid, signal.SIGKILL)  # our own child's pid, held by the pidfd we check below
+        await insup.until(lambda: h.exited.is_set(), 5, "the pidfd to fire", sup)
+        assert u.state is S.ACTIVE  # the failure op has not run yet
+        assert health.overall(sup, {}) == "failed", "503 must say failed, not starting"
+        assert health.unit_reason(u, {}) == "main process exited; failing"
+        gate.set()
+        await insup.until(lambda: u.state is S.FAILED, 5, "a failed", sup)
+
+    insup.run({"a": insup.SLEEPER}, body)
+
+
+# ------------------------------------------------------------ control reader
+def test_control_reader_that_crashes_is_logged_and_restarted(tmp_path):
+    path = str(tmp_path / "c.sock")
+
+    async def main():
+        ctx = zmq.asyncio.Context()
+
+        async def status(args):
+            return {"pong": True}
+
+        server = ControlServer(ctx, path, {"status": status})
+        server.bind()
+        real_recv = server.router.recv_multipart
+        crashes = []
+
+        async def crash_once(*a, **kw):
+            if not crashes:
+                crashes.append(1)
+                raise RuntimeError("injected reader bug")
+            return await real_recv(*a, **kw)
+
+        server.router.recv_multipart = crash_once
+
+        def start_reader():
+            server.start()
+            return server._reader
+
+        reader = DaemonTask("control reader", start_reader).start()
+        client = ctx.socket(zmq.DEALER)
+        client.setsockopt(zmq.LINGER, 0)
+        client.connect(f"ipc://{path}")
+        try:
+            await client.send(json.dumps({"id": 1, "cmd": "status"}).encode())
+            reply = json.loads(await asyncio.wait_for(client.recv(), 10))
+            assert reply == {"id": 1, "ok": True, "result": {"pong": True}}
+            assert crashes and reader.crashes == 1
+        finally:
+            client.close(0)
+            reader.close()
+            await server.close()
+            ctx.term()
+
+    asyncio.run(main())
+
+
+# --------------------------------------------------------------- GPU watch
+def test_gpu_watch_that_crashes_is_restarted_fake_gpu_no_hardware(monkeypatch, tmp_path):
+    """No GPU on this machine: the GPU backend is the fake one (file-driven)."""
+    from omnid import daemon as daemon_mod
+
+    runs = []
+
+    class Dm:
+        pass
+
+    d = Dm()
+
+    async def watch():
+        runs.append(time.monotonic())
+        if len(runs) == 1:
+            raise RuntimeError("injected GPU watch bug")
+        await asyncio.sleep(3600)
+
+    async def main():
+        t = DaemonTask("GPU watch", lambda: asyncio.get_running_loop().create_task(watch())).start()
+        try:
+            await insup.until(lambda: len(runs) >= 2, 5, "the GPU watch to run again")
+            assert t.crashes == 1 and not t.task.done()
+        finally:
+            t.close()
+
+    asyncio.run(main())
+    assert daemon_mod.DaemonTask is DaemonTask  # the daemon supervises its GPU watch with this
+
+
+# ---------------------------------------------------------------- pid reuse
+def _force_pid(pid: int) -> subprocess.Popen | None:
+    """Start `sleep` in its own session with exactly this pid (ns_last_pid), or None."""
+    for _ in range(20):
+        try:
+            with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                f.write(str(pid - 1))
+        except OSError:
+            return None
+        p = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.wait()
+    return None
+
+
+def test_a_stranger_that_reused_a_dead_units_pgid_is_never_signalled():
+    """The leader died and was reaped; a stranger now leads a group with the same number.
+    signal_group and the kill policy must leave it alone (no killpg on a bare number)."""
+
+    async def main():
+        child = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+        pidfd = os.pidfd_open(child.pid)
+        h = ProcessHandle(unit="gone", pid=child.pid, pidfd=pidfd, pgid=child.pid,
+                          start_time=linux.start_time_of(child.pid) or 0)
+        child.kill()
+        status = os.waitpid(child.pid, 0)[1]
+        h.exit_status = status
+        h.exited.set()
+        h.reaped.set()
+        stranger = _force_pid(child.pid)
+        if stranger is None:
+            os.close(pidfd)
+            pytest.skip("cannot force pid reuse through /proc/sys/kernel/ns_last_pid here")
+        try:
+            assert os.getpgid(stranger.pid) == h.pgid
+            assert not h.leader_alive()
+            h.signal_group(signal.SIGKILL)
+            target = ProcessGroupTarget("gone", h, os.getpid(), "no-token")
+            assert target.members() == []
+            rec = await terminate(target, signal.SIGTERM, 0.5, 0.5)
+            assert rec.residue == [] and rec.unkillable == []
+            assert stranger.poll() is None and _live(stranger.pid), "the stranger was killed"
+        finally:
+            stranger.kill()
+            stranger.wait()
+            os.close(pidfd)
+
+    asyncio.run(main())

@@ -37,8 +37,6 @@ LEGAL: dict[UnitState, frozenset[UnitState]] = {
     S.FAILED: frozenset({S.STARTING, S.INACTIVE, S.FAILED}),
 }
 
-RUNNING = frozenset({S.STARTING, S.ACTIVE, S.STOPPING})
-
 
 class IllegalTransition(RuntimeError):
     pass

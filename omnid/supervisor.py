@@ -222,7 +222,8 @@ class Supervisor:
         for action in actions:
             if isinstance(action, Release):
                 self._release(u)
-        log.info("unit state", unit=u.name, **{"from": frm.value, "to": to.value}, reason=reason, pid=pid)
+        log.info("unit state", unit=u.name, **{"from": frm.value, "to": to.value}, on=event.value, reason=reason,
+                 pid=pid)
         self.publish({"ts": time.time(), "unit": u.name, "pid": pid, "from": frm.value, "to": to.value,
                       "reason": reason})
         if self.check_invariants:
@@ -846,6 +847,7 @@ class Supervisor:
             u.goal_seq += 1
             u.goal_by = by
             out[n] = u.goal_seq
+        self._notify_changed()  # a waiting request on these units may be overtaken now
         return out
 
     def _overtaken(self, claims: dict[str, int]) -> tuple[str, list[str]] | None:

@@ -281,11 +281,16 @@ class Spawner:
         return self.cleanup()
 
     def cleanup(self) -> int:
-        """The daemon is gone or asked us to go: nothing we started may outlive us."""
+        """The daemon is gone or asked us to go: nothing we started may outlive us.
+
+        The daemon's kill policy (omnid.termination.terminate) with SIGKILL first, as for
+        a failed unit's leftovers: SIGKILL, wait (bounded), sweep. A process group is
+        signalled by number only while one of our own unreaped children is in it (that
+        child holds the number), never from a record of a leader already reaped."""
         deadline = time.monotonic() + CLEANUP_DEADLINE_S
         while time.monotonic() < deadline:
             children = [st for p in linux.children_of(self.pid) if (st := linux.read_stat(p)) is not None]
-            for pgid in {p.pgid for p in children} | set(self.units):
+            for pgid in {p.pgid for p in children}:
                 if pgid not in (0, 1, os.getpgid(0)):
                     try:
                         os.killpg(pgid, signal.SIGKILL)

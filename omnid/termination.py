@@ -133,24 +133,28 @@ class ProcessGroupTarget:
 
 class LeftoverTarget:
     """Processes of a previous daemon instance, proven ours (pid + start time, or tag):
-    each held by a pidfd opened after the proof, so a recycled pid is never hit."""
+    each held by a pidfd opened right after the proof, so a recycled pid is never hit.
+    `items` are anything with .pid and .describe() (statefile.Leftover, Survivor), and
+    optionally .start_time to check the pidfd against."""
 
-    def __init__(self, name: str, survivors: list[Survivor]) -> None:
+    def __init__(self, name: str, items: list) -> None:
         self.name = name
-        self._fds: dict[int, tuple[Survivor, int]] = {}
-        for s in survivors:
+        self._held: list[tuple[Survivor, int]] = []
+        for it in items:
             try:
-                fd = os.pidfd_open(s.pid)
+                fd = os.pidfd_open(it.pid)
             except ProcessLookupError:
                 continue
-            if s.start_time and linux.start_time_of(s.pid) != s.start_time:
+            st = linux.read_stat(it.pid)
+            want = getattr(it, "start_time", 0)
+            if st is None or (want and st.start_time != want):
                 os.close(fd)
                 continue
-            self._fds[s.pid] = (s, fd)
+            self._held.append((Survivor(it.pid, st.comm, st.state, "", it.describe(), st.start_time), fd))
 
     def _live(self) -> list[tuple[Survivor, int]]:
         out = []
-        for s, fd in self._fds.values():
+        for s, fd in self._held:
             p = select.poll()
             p.register(fd, select.POLLIN)
             if not p.poll(0):
@@ -178,9 +182,9 @@ class LeftoverTarget:
         return [s for s, _fd in self._live()]
 
     def close(self) -> None:
-        for _s, fd in self._fds.values():
+        for _s, fd in self._held:
             os.close(fd)
-        self._fds.clear()
+        self._held.clear()
 
 
 async def terminate(target: Target, stop_signal: int, stop_timeout: float, kill_timeout: float, *,
@@ -218,12 +222,13 @@ async def terminate(target: Target, stop_signal: int, stop_timeout: float, kill_
     return rec
 
 
-def terminate_leftovers(survivors: list[Survivor], kill_timeout: float = 5.0) -> list[str]:
-    """For statefile.kill_leftovers (daemon start, before the loop runs): the same policy
-    with SIGKILL as the first signal. Returns descriptions of what still lives."""
-    target = LeftoverTarget("leftovers of a previous daemon", survivors)
+def terminate_leftovers(items: list, kill_timeout: float = 5.0) -> list[str]:
+    """For statefile.kill_leftovers (daemon start, before the event loop runs): the same
+    policy with SIGKILL as the first signal. `items`: statefile.Leftover or Survivor.
+    Returns the descriptions (item.describe()) of what still lives after kill_timeout."""
+    target = LeftoverTarget("leftovers of a previous daemon", items)
     try:
-        rec = asyncio.run(terminate(target, signal.SIGKILL, kill_timeout, 0.0, send_cont=False))
+        asyncio.run(terminate(target, signal.SIGKILL, kill_timeout, 0.0, send_cont=False))
+        return [s.why for s in target.members()]
     finally:
         target.close()
-    return rec.unkillable

@@ -276,3 +276,29 @@ def test_a_stranger_that_reused_a_dead_units_pgid_is_never_signalled():
             os.close(pidfd)
 
     asyncio.run(main())
+
+
+def test_leftover_cleanup_uses_the_one_kill_policy_and_skips_a_recycled_pid():
+    """terminate_leftovers (for statefile.kill_leftovers): SIGKILL through pidfds, bounded
+    wait; an item whose start time no longer matches is not touched."""
+    from omnid.statefile import Leftover
+    from omnid.termination import terminate_leftovers
+
+    victim = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+    bystander = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+    try:
+        class Stale:
+            pid = bystander.pid
+            start_time = (linux.start_time_of(bystander.pid) or 0) + 1  # "recycled": not the one we saw
+
+            def describe(self):
+                return "stale"
+
+        left = terminate_leftovers([Leftover(victim.pid, "worker@1", "test"), Stale()], kill_timeout=2)
+        assert left == []
+        assert victim.wait(5) == -signal.SIGKILL
+        assert bystander.poll() is None and _live(bystander.pid)
+    finally:
+        for p in (victim, bystander):
+            p.kill()
+            p.wait()

@@ -372,51 +372,10 @@ class Daemon:
         gc.freeze()
 
     async def _gpu_watch(self) -> None:
-        """GPU memory is hardware state with no event to wait on: read it every
-        OMNID_GPU_INTERVAL seconds (default 1) for `gpu_min_free_mib` and the figures."""
-        from omnid import gpu as gpu_mod
+        from omnid.gpu import watch
 
         assert self.sup is not None
-        interval = float(os.environ.get("OMNID_GPU_INTERVAL", "1.0"))
-        said = False
-        while True:
-            try:
-                gpus = {g.index: g for g in await gpu_mod.gpus_async(self.gpu)}
-                procs = await gpu_mod.processes_async(self.gpu) if self.gpu.pids_local else []
-                said = False
-            except Exception as exc:  # noqa: BLE001 - say it once, keep watching
-                if not said:
-                    log.error("GPU read failed", error=str(exc))
-                    said = True
-                await asyncio.sleep(interval)
-                continue
-            # GPU memory by process group: one stat read per GPU process, not a /proc scan.
-            by_pgid: dict[int, float] = {}
-            for p in procs:
-                st = linux.read_stat(p.pid)
-                if st is not None:
-                    by_pgid[st.pgid] = by_pgid.get(st.pgid, 0.0) + p.used_mib
-            degraded: dict[str, str] = {}
-            usage: dict[str, float] = {}
-            for u in self.sup.units.values():
-                if u.proc is not None and by_pgid:
-                    usage[u.name] = by_pgid.get(u.proc.pgid, 0.0)
-                need = u.spec.gpu_min_free_mib
-                if need > 0 and u.state.value in ("starting", "active"):
-                    for idx in u.spec.gpus:
-                        g = gpus.get(idx)
-                        if g is None:
-                            degraded[u.name] = f"GPU {idx} not visible to {gpu_mod.describe(self.gpu)}"
-                        elif g.free_mib < need:
-                            degraded[u.name] = (f"GPU {idx} has {g.free_mib:.0f} MiB free, under "
-                                                f"gpu_min_free_mib = {need}")
-            for name in degraded.keys() - self.sup.degraded.keys():
-                log.warning("unit degraded", unit=name, reason=degraded[name])
-            for name in self.sup.degraded.keys() - degraded.keys():
-                log.info("unit no longer degraded", unit=name)
-            self.sup.degraded = degraded
-            self.sup.gpu_mib = usage
-            await asyncio.sleep(interval)
+        await watch.watch(self.gpu, self.sup)
 
     def _on_signal(self, sig: int) -> None:
         assert self.shutdown_requested is not None

@@ -198,31 +198,52 @@ def test_control_reader_that_crashes_is_logged_and_restarted(tmp_path):
 
 # --------------------------------------------------------------- GPU watch
 def test_gpu_watch_that_crashes_is_restarted_fake_gpu_no_hardware(monkeypatch, tmp_path):
-    """No GPU on this machine: the GPU backend is the fake one (file-driven)."""
+    """No GPU on this machine: the GPU backend is the fake one. The real watch loop gets
+    an exception injected into its policy once; it is logged, restarted, and then
+    publishes the degraded units."""
     from omnid import daemon as daemon_mod
+    from omnid.gpu import FakeGpuBackend, watch, write_fake_gpu_file
 
-    runs = []
+    path = tmp_path / "gpu.json"
+    write_fake_gpu_file(path, {"gpus": [{"index": 0, "name": "fake", "total_mib": 1000, "used_mib": 990}],
+                               "processes": []})
+    backend = FakeGpuBackend(str(path))
+    real = watch.assess
+    calls = []
 
-    class Dm:
-        pass
-
-    d = Dm()
-
-    async def watch():
-        runs.append(time.monotonic())
-        if len(runs) == 1:
+    def crash_once(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
             raise RuntimeError("injected GPU watch bug")
-        await asyncio.sleep(3600)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(watch, "assess", crash_once)
+
+    class Spec:
+        gpu_min_free_mib = 100
+        gpus = (0,)
+
+    class U:
+        name, spec, state, proc = "engine", Spec(), S.ACTIVE, None
+
+    class Sup:
+        units = {"engine": U()}
+        degraded: dict = {}
+        gpu_mib: dict = {}
+
+    sup = Sup()
 
     async def main():
-        t = DaemonTask("GPU watch", lambda: asyncio.get_running_loop().create_task(watch())).start()
+        t = DaemonTask("GPU watch", lambda: asyncio.get_running_loop().create_task(
+            watch.watch(backend, sup, interval=0.01))).start()
         try:
-            await insup.until(lambda: len(runs) >= 2, 5, "the GPU watch to run again")
+            await insup.until(lambda: "engine" in sup.degraded, 5, "the restarted watch to see the full GPU")
             assert t.crashes == 1 and not t.task.done()
         finally:
             t.close()
 
     asyncio.run(main())
+    assert "under gpu_min_free_mib = 100" in sup.degraded["engine"]
     assert daemon_mod.DaemonTask is DaemonTask  # the daemon supervises its GPU watch with this
 
 

@@ -60,6 +60,66 @@ class SpawnerGone(Exception):
     pass
 
 
+# ------------------------------------------------------------- protocol messages
+# Typed on both edges: the daemon builds `SpawnRequest.to_wire`, and every datagram
+# from the spawner is decoded once, here, into one of the frozen dataclasses below;
+# nothing downstream reads a raw dict.
+
+class ProtocolError(ValueError):
+    """A spawner message that does not have the shape this module expects."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    pid: int
+
+
+@dataclass(frozen=True)
+class SpawnedMsg:
+    id: int
+    pid: int
+    start_time: int
+
+
+@dataclass(frozen=True)
+class SpawnFailedMsg:
+    id: int
+    error: str
+
+
+SpawnerMessage = Hello | SpawnedMsg | SpawnFailedMsg | ExitReport
+
+_FIELDS: dict[str, tuple[type, tuple[tuple[str, type], ...]]] = {
+    "hello": (Hello, (("pid", int),)),
+    "spawned": (SpawnedMsg, (("id", int), ("pid", int), ("start_time", int))),
+    "spawn_failed": (SpawnFailedMsg, (("id", int), ("error", str))),
+    "exit": (ExitReport, (("pid", int), ("status", int), ("adopted", bool))),
+}
+
+
+def decode(msg: object) -> SpawnerMessage:
+    """One spawner datagram (parsed JSON) as its typed message; ProtocolError names the op and field."""
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"message is a {type(msg).__name__}, not an object")
+    op = msg.get("op")
+    if op not in _FIELDS:
+        raise ProtocolError(f"unknown op {op!r}")
+    cls, fields = _FIELDS[op]
+    values = []
+    for name, typ in fields:
+        v = msg.get(name)
+        if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+            raise ProtocolError(f"{op}: field {name!r} must be {typ.__name__}, got {v!r}")
+        values.append(v)
+    return cls(*values)
+
+
+def spawn_wire(rid: int, req: SpawnRequest) -> dict:
+    """The spawn request as the spawner reads it (see omnid/spawner.py)."""
+    return {"op": "spawn", "id": rid, "unit": req.unit, "argv": list(req.argv), "env": req.env, "cwd": req.cwd,
+            "user": req.user, "group": req.group, "rlimits": [list(r) for r in req.rlimits], "cgroup": req.cgroup}
+
+
 class SpawnerClient:
     """One running spawner process and the socket to it."""
 
@@ -145,47 +205,41 @@ class SpawnerClient:
                 continue
             self._dispatch(msg, fds)
 
-    def _dispatch(self, msg: dict, fds: list[int]) -> None:
-        op = msg.get("op")
-        if op == "exit":
-            self._on_exit(ExitReport(msg["pid"], msg["status"], msg["adopted"]))
-        elif op in ("spawned", "spawn_failed"):
-            fut = self._pending.pop(msg["id"], None)
-            if op == "spawned":
-                if fut is None or fut.done():
-                    for fd in fds:
-                        os.close(fd)
-                    return
-                fut.set_result(Spawned(msg["pid"], fds[0], msg["start_time"]))
-                for fd in fds[1:]:
-                    os.close(fd)
-            elif fut is not None and not fut.done():
-                fut.set_exception(SpawnError(msg["error"]))
-        elif op == "hello":
-            if self._hello is not None and not self._hello.done():
-                self._hello.set_result(msg["pid"])
-        else:
-            log.error("spawner sent an unknown message", op=op)
+    def _dispatch(self, raw: dict, fds: list[int]) -> None:
+        try:
+            msg = decode(raw)
+        except ProtocolError as exc:
+            log.error("spawner sent a malformed message", error=str(exc))
             for fd in fds:
                 os.close(fd)
+            return
+        if isinstance(msg, ExitReport):
+            self._on_exit(msg)
+        elif isinstance(msg, SpawnedMsg):
+            fut = self._pending.pop(msg.id, None)
+            if fut is None or fut.done() or not fds:
+                for fd in fds:
+                    os.close(fd)
+                if fut is not None and not fut.done():
+                    fut.set_exception(SpawnError(f"spawner answered pid {msg.pid} without its pidfd"))
+                return
+            fut.set_result(Spawned(msg.pid, fds[0], msg.start_time))
+            for fd in fds[1:]:
+                os.close(fd)
+        elif isinstance(msg, SpawnFailedMsg):
+            fut = self._pending.pop(msg.id, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(SpawnError(msg.error))
+        elif isinstance(msg, Hello):
+            if self._hello is not None and not self._hello.done():
+                self._hello.set_result(msg.pid)
 
     async def spawn(self, req: SpawnRequest, out_w: int) -> Spawned:
         """Spawn one unit process; out_w becomes its stdout and stderr."""
         if self._closed or self.sock is None:
             raise SpawnError("spawner is not running")
         rid = next(self._ids)
-        msg = {
-            "op": "spawn",
-            "id": rid,
-            "unit": req.unit,
-            "argv": list(req.argv),
-            "env": req.env,
-            "cwd": req.cwd,
-            "user": req.user,
-            "group": req.group,
-            "rlimits": [list(r) for r in req.rlimits],
-            "cgroup": req.cgroup,
-        }
+        msg = spawn_wire(rid, req)
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         data = json.dumps(msg).encode()

@@ -323,3 +323,21 @@ def test_leftover_cleanup_uses_the_one_kill_policy_and_skips_a_recycled_pid():
         for p in (victim, bystander):
             p.kill()
             p.wait()
+
+
+def test_spawner_messages_are_decoded_into_typed_values_and_bad_ones_are_named():
+    from omnid.spawnclient import (ExitReport, Hello, ProtocolError, SpawnedMsg, SpawnFailedMsg, SpawnRequest,
+                                   decode, spawn_wire)
+
+    assert decode({"op": "hello", "pid": 5}) == Hello(5)
+    assert decode({"op": "spawned", "id": 1, "pid": 9, "start_time": 77}) == SpawnedMsg(1, 9, 77)
+    assert decode({"op": "spawn_failed", "id": 1, "error": "exec failed"}) == SpawnFailedMsg(1, "exec failed")
+    assert decode({"op": "exit", "pid": 9, "status": 0, "adopted": False}) == ExitReport(9, 0, False)
+    for bad, why in [({"op": "exit", "pid": "9", "status": 0, "adopted": False}, "exit: field 'pid' must be int"),
+                     ({"op": "spawned", "id": True, "pid": 9, "start_time": 1}, "spawned: field 'id' must be int"),
+                     ({"op": "nope"}, "unknown op 'nope'"), ([], "message is a list")]:
+        with pytest.raises(ProtocolError) as err:
+            decode(bad)
+        assert str(err.value).startswith(why), str(err.value)
+    wire = spawn_wire(3, SpawnRequest(unit="a", argv=("sleep", "1"), env={"A": "1"}, rlimits=((7, 1, 2),)))
+    assert wire["op"] == "spawn" and wire["id"] == 3 and wire["argv"] == ["sleep", "1"] and wire["rlimits"] == [[7, 1, 2]]

@@ -13,6 +13,14 @@ import structlog
 log = structlog.get_logger("omnid.unit")
 
 MAX_LINE = 16 * 1024
+# Work bounds for a unit that writes as fast as it can: at most READS_PER_TURN reads
+# of READ_SIZE per loop turn (then the other callbacks run, the pipe fills and the
+# writer blocks: back-pressure, not memory), at most ECHO_PER_SEC lines a second
+# echoed into the daemon's log (the rest are kept in the ring buffer and counted).
+READ_SIZE = 65536
+READS_PER_TURN = 4
+ECHO_PER_SEC = 200
+KEEP_BYTES = 1 << 20
 
 
 class UnitOutput:
@@ -20,8 +28,17 @@ class UnitOutput:
 
     def __init__(self, unit: str, keep: int = 2000, echo: bool = True) -> None:
         self.unit = unit
-        self.lines: collections.deque[tuple[float, str]] = collections.deque(maxlen=keep)
+        # (timestamp, stream, line); stdout and stderr share one pipe today, so the
+        # stream is "output" for both.
+        self.lines: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=keep)
+        self.kept_bytes = 0
         self.echo = echo
+        self.lines_total = 0
+        self.lines_truncated = 0
+        self.echo_dropped = 0  # lines not echoed into the daemon's log (rate limit)
+        self.evicted_for_bytes = 0
+        self._echo_window = 0.0
+        self._echo_count = 0
         self._fd = -1
         self._partial = b""
 
@@ -33,9 +50,9 @@ class UnitOutput:
         asyncio.get_running_loop().add_reader(fd, self._readable)
 
     def _readable(self) -> None:
-        while True:
+        for _ in range(READS_PER_TURN):
             try:
-                chunk = os.read(self._fd, 65536)
+                chunk = os.read(self._fd, READ_SIZE)
             except BlockingIOError:
                 return
             except OSError as exc:
@@ -57,24 +74,49 @@ class UnitOutput:
             self._emit(self._partial)
             self._partial = b""
 
+    def _emit_echo_allowed(self, now: float) -> bool:
+        if now - self._echo_window >= 1.0:
+            if self._echo_count > ECHO_PER_SEC:
+                log.warning("unit output rate-limited in the daemon log", unit=self.unit,
+                            lines_not_echoed=self._echo_count - ECHO_PER_SEC,
+                            hint="all lines stay in `omnid logs`")
+            self._echo_window = now
+            self._echo_count = 0
+        self._echo_count += 1
+        return self._echo_count <= ECHO_PER_SEC
+
     def _flush_partial(self) -> None:
         if self._partial:
             self._emit(self._partial)
             self._partial = b""
 
     def _emit(self, raw: bytes) -> None:
+        if len(raw) > MAX_LINE:
+            raw = raw[:MAX_LINE]
+            self.lines_truncated += 1
         line = raw.decode(errors="replace").rstrip("\r")
-        self.lines.append((time.time(), line))
+        now = time.time()
+        if len(self.lines) == self.lines.maxlen:
+            self.kept_bytes -= len(self.lines[0][2])
+        self.lines.append((now, "output", line))
+        self.kept_bytes += len(line)
+        while self.kept_bytes > KEEP_BYTES and len(self.lines) > 1:
+            self.kept_bytes -= len(self.lines.popleft()[2])
+            self.evicted_for_bytes += 1
+        self.lines_total += 1
         if self.echo:
-            log.info(line, unit=self.unit, stream="output")
+            if self._emit_echo_allowed(now):
+                log.info(line, unit=self.unit, stream="output")
+            else:
+                self.echo_dropped += 1
 
     def detach(self) -> None:
         """Drain what is buffered, then stop reading and close the pipe."""
         if self._fd < 0:
             return
         try:
-            while True:
-                chunk = os.read(self._fd, 65536)
+            for _ in range(64):  # bounded: a leftover writer must not hold the loop
+                chunk = os.read(self._fd, READ_SIZE)
                 if not chunk:
                     break
                 self._feed(chunk)
@@ -99,4 +141,4 @@ class UnitOutput:
 
     def tail(self, n: int) -> list[dict]:
         items = list(self.lines)[-n:] if n > 0 else []
-        return [{"ts": ts, "line": line} for ts, line in items]
+        return [{"ts": ts, "stream": stream, "line": line} for ts, stream, line in items]

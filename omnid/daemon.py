@@ -464,7 +464,7 @@ class Daemon:
 
 
 def run(units_dir: str | None, control: str | None, state_dir: str | None, health_listen: str | None,
-        log_format: str | None) -> int:
+        log_format: str | None, log_file: str | None = None) -> int:
     """The `omnid daemon` command. Returns the process exit code."""
     udir = os.path.abspath(units_dir or default_units_dir())
     try:
@@ -476,7 +476,7 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
         return 2
     cfg = settings.resolve(units_dir=udir, control=control, state_dir=state_dir, health_listen=health_listen,
                            log_format=log_format, stack_settings=stack.settings)
-    logconfig.configure(cfg.log_format)
+    logconfig.configure(cfg.log_format, log_file=log_file)
     linux.mark_fds_non_inheritable()
     try:
         from setproctitle import setproctitle

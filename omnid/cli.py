@@ -144,9 +144,13 @@ def _launch_daemon(a: argparse.Namespace, cfg) -> tuple[subprocess.Popen, Path, 
     raise CliError(f"the daemon did not open {cfg.control} within 30 s (full log: {logfile})")
 
 
-def _progress(t0: float, unit: str, state: str, reason: str | None) -> None:
+def _progress(t0: float, unit: str, state: str, reason: str | None, shown: dict[str, tuple]) -> None:
+    """One progress line per change; the snapshot and an event that says the same are one line."""
+    if shown.get(unit) == (state, reason):
+        return
+    shown[unit] = (state, reason)
     print(f"  [{time.monotonic() - t0:6.2f}s] {unit}: {state}"
-          + (f" ({reason})" if reason and state != "active" else ""), flush=True)
+          + (f" ({reason})" if reason and state != "active" and reason != state else ""), flush=True)
 
 
 def cmd_start(a: argparse.Namespace) -> int:
@@ -187,8 +191,9 @@ def cmd_start(a: argparse.Namespace) -> int:
             raise CliError(f"the daemon exited with code {launched.returncode}: "
                            f"{_daemon_cause(logfile, offset)} (full log: {logfile})") from None
         raise
+    shown: dict[str, tuple] = {}
     for u in snap:
-        _progress(t0, u["name"], u["state"], u.get("reason"))
+        _progress(t0, u["name"], u["state"], u.get("reason"), shown)
     timeout = a.timeout
     args: dict = {"timeout": timeout}
     if a.unit_names:
@@ -212,7 +217,7 @@ def cmd_start(a: argparse.Namespace) -> int:
                     ev = json.loads(sub.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
-                _progress(t0, ev["unit"], ev["to"], ev.get("reason"))
+                _progress(t0, ev["unit"], ev["to"], ev.get("reason"), shown)
         if client.sock in ready:
             reply = json.loads(client.sock.recv())
             break

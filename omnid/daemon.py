@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from omnid import linux, logconfig, settings
 from omnid.control import ControlError, ControlServer, prepare_socket_dir
+from omnid.metrics import DaemonMetrics
 from omnid.notify import NotifyServer
 from omnid.sdnotify_out import ServiceNotifier
 from omnid.spawnclient import SpawnerClient, SpawnerGone
@@ -69,6 +70,7 @@ class Daemon:
         # Set once the stack's first start has settled (every unit active, or failed and
         # not restarting, or waiting on one that is): READY=1 to systemd, `wait` replies.
         self.settled: asyncio.Event | None = None
+        self.metrics = DaemonMetrics()
         self.stack = stack
         self.token = secrets.token_hex(8)
         self.state = StateFile(Path(cfg.state_dir))
@@ -86,6 +88,12 @@ class Daemon:
         self._health_task: asyncio.Task | None = None
 
     # -- callbacks --------------------------------------------------------------
+    def _publish(self, ev: dict) -> None:
+        if self.sup is not None:
+            self.metrics.on_event(ev, self.sup)
+        if self.control is not None:
+            self.control.publish(ev)
+
     def _on_exit(self, rep) -> None:
         if self.sup is not None:
             self.sup.on_exit_report(rep)
@@ -317,7 +325,7 @@ class Daemon:
             log.info("GPU checks off", reason=self.gpu.reason)
         ctx = zmq.asyncio.Context()
         self.sup = Supervisor(self.stack, self.spawner, token=self.token, notify_socket=self.notify.address,
-                              publish=lambda ev: self.control.publish(ev) if self.control else None,
+                              publish=self._publish,
                               on_pids_changed=self._schedule_state_write,
                               check_invariants=os.environ.get("OMNID_CHECK_INVARIANTS") == "1",
                               gpu=self.gpu)
@@ -397,6 +405,7 @@ class Daemon:
         health_mod = await asyncio.to_thread(importlib.import_module, "omnid.health")
         self.health = health_mod.HealthServer(self.sup, self.cfg.health_listen, degraded=lambda: self.sup.degraded,
                                               gpu_usage=lambda: self.sup.gpu_mib)
+        self.health.daemon_metrics = self.metrics
         await self.health.start(sock)
         # Everything allocated so far (modules, sockets, units) lives as long as the
         # daemon: keep it out of the cyclic GC, whose full passes over it cost tens of

@@ -68,34 +68,50 @@ class UnitOutput:
     def _feed(self, chunk: bytes) -> None:
         data = self._partial + chunk
         *complete, self._partial = data.split(b"\n")
-        for raw in complete:
-            self._emit(raw)
         if len(self._partial) > MAX_LINE:
-            self._emit(self._partial)
+            complete.append(self._partial)
+            self._partial = b""
+        if complete:
+            self._emit_many(complete)
+
+    def _flush_partial(self) -> None:
+        if self._partial:
+            self._emit_many([self._partial])
             self._partial = b""
 
-    def _emit_echo_allowed(self, now: float) -> bool:
+    def _echo_budget(self, now: float, n: int) -> int:
+        """How many of n new lines may still be echoed into the daemon's log this second."""
         if now - self._echo_window >= 1.0:
             if self._echo_count > ECHO_PER_SEC:
                 log.warning("unit output rate-limited in the daemon log", unit=self.unit,
                             lines_not_echoed=self._echo_count - ECHO_PER_SEC,
-                            hint="all lines stay in `omnid logs`")
+                            hint="the last lines stay in `omnid logs`")
             self._echo_window = now
             self._echo_count = 0
-        self._echo_count += 1
-        return self._echo_count <= ECHO_PER_SEC
+        take = max(0, min(n, ECHO_PER_SEC - self._echo_count))
+        self._echo_count += n
+        return take
 
-    def _flush_partial(self) -> None:
-        if self._partial:
-            self._emit(self._partial)
-            self._partial = b""
+    def _emit_many(self, raws: list[bytes]) -> None:
+        """Lines that can neither be echoed (rate limit) nor stay in the ring buffer
+        (the last `keep` of this batch win) are only counted: a flood costs one split
+        per read, not per-line work."""
+        now = time.time()
+        n = len(raws)
+        self.lines_total += n
+        echo_n = self._echo_budget(now, n) if self.echo else 0
+        self.echo_dropped += (n - echo_n) if self.echo else 0
+        for raw in raws[:echo_n]:
+            log.info(self._keep(raw, now), unit=self.unit, stream="output")
+        tail_from = max(echo_n, n - (self.lines.maxlen or n))
+        for raw in raws[tail_from:]:
+            self._keep(raw, now)
 
-    def _emit(self, raw: bytes) -> None:
+    def _keep(self, raw: bytes, now: float) -> str:
         if len(raw) > MAX_LINE:
             raw = raw[:MAX_LINE]
             self.lines_truncated += 1
         line = raw.decode(errors="replace").rstrip("\r")
-        now = time.time()
         if len(self.lines) == self.lines.maxlen:
             self.kept_bytes -= len(self.lines[0][2])
         self.lines.append((now, "output", line))
@@ -103,12 +119,7 @@ class UnitOutput:
         while self.kept_bytes > KEEP_BYTES and len(self.lines) > 1:
             self.kept_bytes -= len(self.lines.popleft()[2])
             self.evicted_for_bytes += 1
-        self.lines_total += 1
-        if self.echo:
-            if self._emit_echo_allowed(now):
-                log.info(line, unit=self.unit, stream="output")
-            else:
-                self.echo_dropped += 1
+        return line
 
     def detach(self) -> None:
         """Drain what is buffered, then stop reading and close the pipe."""

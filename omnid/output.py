@@ -18,7 +18,11 @@ MAX_LINE = 16 * 1024
 # writer blocks: back-pressure, not memory), at most ECHO_PER_SEC lines a second
 # echoed into the daemon's log (the rest are kept in the ring buffer and counted).
 READ_SIZE = 65536
-READS_PER_TURN = 4
+READS_PER_TURN = 1
+# At most this many bytes a second read from one unit: beyond it the pipe is left
+# unread until the second is over (the unit blocks in write(), as on a slow
+# terminal), so a flood costs the daemon a bounded share of its loop.
+READ_BYTES_PER_SEC = 4 << 20
 ECHO_PER_SEC = 200
 KEEP_BYTES = 1 << 20
 
@@ -41,6 +45,10 @@ class UnitOutput:
         self._echo_count = 0
         self._fd = -1
         self._partial = b""
+        self._read_window = 0.0
+        self._read_bytes = 0
+        self._paused: asyncio.TimerHandle | None = None
+        self.read_pauses = 0
 
     def attach(self, fd: int) -> None:
         """Start reading a new process's output pipe (read end, owned from now on)."""
@@ -64,6 +72,24 @@ class UnitOutput:
                 self._close()
                 return
             self._feed(chunk)
+            now = time.monotonic()
+            if now - self._read_window >= 1.0:
+                self._read_window, self._read_bytes = now, 0
+            self._read_bytes += len(chunk)
+            if self._read_bytes >= READ_BYTES_PER_SEC:
+                self._pause(self._read_window + 1.0 - now)
+                return
+
+    def _pause(self, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._fd)
+        self.read_pauses += 1
+        self._paused = loop.call_later(max(0.0, seconds), self._resume)
+
+    def _resume(self) -> None:
+        self._paused = None
+        if self._fd >= 0:
+            asyncio.get_running_loop().add_reader(self._fd, self._readable)
 
     def _feed(self, chunk: bytes) -> None:
         data = self._partial + chunk
@@ -139,6 +165,9 @@ class UnitOutput:
     def _close(self) -> None:
         if self._fd < 0:
             return
+        if self._paused is not None:
+            self._paused.cancel()
+            self._paused = None
         try:
             asyncio.get_running_loop().remove_reader(self._fd)
         except RuntimeError:

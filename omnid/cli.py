@@ -1,7 +1,10 @@
-"""The `omnid` command line (DESIGN.md "Command line").
+"""The `omnid` command line (DESIGN.md "Command line", omnid(8)): the commands and
+the parser. Talking to the daemon lives in omnid.client, what is printed in
+omnid.render, where settings come from in omnid.settings.
 
 Exit codes: 0 ok, 1 the operation failed (reason printed), 2 usage or
-configuration error, 3 no daemon running.
+configuration error, 3 no daemon running (except `omnid stop`, which, like
+`systemctl stop` of a stopped unit, exits 0 when there is nothing to stop).
 """
 
 from __future__ import annotations
@@ -9,136 +12,37 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_DAEMON = 0, 1, 2, 3
+from omnid.client import EXIT_FAILED, EXIT_NO_DAEMON, EXIT_OK, EXIT_USAGE, CliError, Client, subscribe
+from omnid.render import (format_event, format_log_line, log_line_json, print_summary, print_unit_detail,
+                          print_units)
+
+DAEMON_LOG_MAX = 8 << 20  # bytes; daemon.log is rotated to daemon.log.1 beyond this
 
 
-class CliError(Exception):
-    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
-        super().__init__(message)
-        self.code = code
+def control_of(a: argparse.Namespace) -> str:
+    """The control socket for commands that talk to a running daemon: flag > env > default."""
+    from omnid import settings
 
-
-# --------------------------------------------------------------------------- client
-class Client:
-    """One request at a time over a DEALER socket, each reply awaited with a deadline."""
-
-    def __init__(self, control: str) -> None:
-        from omnid.control import socket_is_live
-
-        self.control = control
-        if not os.path.exists(control) or not socket_is_live(control):
-            raise CliError(f"no omnid daemon running (no control socket answering at {control})", EXIT_NO_DAEMON)
-        import zmq
-
-        self.zmq = zmq
-        self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"ipc://{control}")
-        self._n = 0
-
-    def call(self, cmd: str, args: dict | None = None, timeout: float = 30.0):
-        self._n += 1
-        rid = f"{os.getpid()}-{self._n}"
-        self.sock.send(json.dumps({"id": rid, "cmd": cmd, "args": args or {}}).encode())
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise CliError(f"no answer to {cmd!r} from the daemon within {timeout:g} s")
-            if self.sock.poll(min(left, 0.5) * 1000):
-                reply = json.loads(self.sock.recv())
-                if reply.get("id") != rid:
-                    continue
-                if not reply.get("ok"):
-                    err = reply.get("error") or {}
-                    code = EXIT_USAGE if err.get("code") in ("unknown_unit", "bad_request") else EXIT_FAILED
-                    raise CliError(err.get("message") or "the daemon refused the request", code)
-                return reply.get("result")
-            if not os.path.exists(self.control):
-                raise CliError(f"the daemon went away while answering {cmd!r}")
-
-    def close(self) -> None:
-        self.sock.close(0)
-
-
-def subscribe(control: str):
-    import zmq
-
-    from omnid.control import events_path
-
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(f"ipc://{events_path(control)}")
-    return sub
-
-
-# --------------------------------------------------------------------------- output
-def _ago(ts: float | None) -> str:
-    if not ts:
-        return "-"
-    s = max(0.0, time.time() - ts)
-    if s < 120:
-        return f"{s:.1f}s ago"
-    if s < 7200:
-        return f"{s / 60:.0f}m ago"
-    return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M")
-
-
-def print_units(units: list[dict]) -> None:
-    rows = [("UNIT", "ROLE", "STATE", "PID", "RESTARTS", "SINCE", "REASON")]
-    for u in units:
-        state = u["state"] + ("" if u["state"] != "active" or u.get("ready") else " (not ready)")
-        rows.append((u["name"], u.get("role") or "-", state, str(u["pid"] or "-"), str(u["restarts"]),
-                     _ago(u.get("since")), u.get("reason") or ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(6)]
-    for r in rows:
-        print("  ".join(c.ljust(widths[i]) for i, c in enumerate(r[:6])) + "  " + r[6])
-
-
-def print_summary(summary: list[dict]) -> None:
-    if not summary:
-        print("nothing was running")
-        return
-    rows = [("UNIT", "SIGNAL", "EXIT", "ESCALATED", "GPU RELEASE", "RESIDUE")]
-    for r in summary:
-        secs = f"{r['seconds']:.3f}s" if r.get("seconds") is not None else "-"
-        gpu = f"{r['gpu_release_ms']:.0f}ms" if r.get("gpu_release_ms") is not None else "-"
-        residue = "none"
-        if r.get("unkillable"):
-            residue = "UNKILLABLE: " + "; ".join(r["unkillable"])
-        elif r.get("residue"):
-            residue = f"{len(r['residue'])} killed: " + "; ".join(r["residue"])
-        rows.append((r["unit"], r["signal"], secs, "SIGKILL" if r["escalated"] else "no", gpu, residue))
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    for row in rows:
-        print("  ".join(c.ljust(widths[i]) for i, c in enumerate(row[:5])) + "  " + row[5])
-
-
-def format_event(ev: dict) -> str:
-    ts = datetime.fromtimestamp(ev.get("ts") or time.time()).strftime("%H:%M:%S.%f")[:-3]
-    pid = f" pid {ev['pid']}" if ev.get("pid") else ""
-    reason = f" — {ev['reason']}" if ev.get("reason") else ""
-    return f"{ts} {ev.get('unit')}{pid}: {ev.get('from')} -> {ev.get('to')}{reason}"
+    return os.path.abspath(a.control or os.environ.get("OMNID_CONTROL") or settings.default_control())
 
 
 # --------------------------------------------------------------------------- commands
 def cmd_daemon(a: argparse.Namespace) -> int:
     from omnid import daemon
 
-    return daemon.run(a.units, a.control, a.state_dir, a.health_listen, a.log_format)
+    return daemon.run(a.units, a.control, a.state_dir, a.health_listen, a.log_format, log_file=a.log_file)
 
 
 def cmd_check(a: argparse.Namespace) -> int:
-    from omnid.daemon import default_units_dir
+    from omnid import preflight
+    from omnid.settings import default_units_dir
     from omnid.units import check_stack, load_stack
 
     directory = os.path.abspath(a.units or default_units_dir())
@@ -149,64 +53,155 @@ def cmd_check(a: argparse.Namespace) -> int:
             print(f"  {e}", file=sys.stderr)
         return EXIT_USAGE
     stack = load_stack(directory)
+    problems = preflight.check(stack, this_host=a.this_host)
     tiers = " -> ".join("[" + ", ".join(u.name for u in t) + "]" for t in stack.tiers())
-    print(f"{directory}: ok, {len(stack)} units; start order {tiers}")
+    errors_here = [p for p in problems if p.severity == "error"]
+    for p in problems:
+        print(f"  {p}", file=sys.stderr)
+    if errors_here:
+        print(f"{directory}: {len(errors_here)} unit(s) will fail at first start on this host", file=sys.stderr)
+        return EXIT_USAGE
+    warn = f", {len(problems)} warning(s)" if problems else ""
+    print(f"{directory}: ok, {len(stack)} units; start order {tiers}{warn}")
     return EXIT_OK
 
 
-def _launch_daemon(a: argparse.Namespace, control: str) -> subprocess.Popen:
-    from omnid.daemon import default_state_dir, default_units_dir
-    from omnid.units import StackInvalid, load_stack
-
-    units = os.path.abspath(a.units or default_units_dir())
+def _daemon_cause(logfile: Path, offset: int) -> str:
+    """The one line that says why the daemon stopped: the first error it logged in
+    this run (JSON or console lines), else its last line."""
     try:
-        load_stack(units)
-    except StackInvalid as exc:
-        raise CliError(f"invalid stack in {units}:\n" + "\n".join(f"  {e}" for e in exc.errors), EXIT_USAGE) from None
-    state_dir = a.state_dir or os.environ.get("OMNID_STATE_DIR") or default_state_dir()
-    Path(state_dir).mkdir(parents=True, exist_ok=True)
-    logfile = Path(state_dir) / "daemon.log"
-    argv = [sys.executable, "-m", "omnid", "--control", control, "daemon", "-u", units, "--state-dir", state_dir,
-            "--log-format", a.log_format or "json"]
-    if a.health_listen:
-        argv += ["--health-listen", a.health_listen]
-    with open(logfile, "ab") as log:
+        with open(logfile, "rb") as f:
+            f.seek(offset)
+            text = f.read(1 << 20).decode(errors="replace")
+    except OSError:
+        return "(its log cannot be read)"
+    last = ""
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        last = line
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            ev = None
+        if isinstance(ev, dict):
+            if ev.get("level") in ("error", "critical"):
+                extra = "; ".join(f"{k}: {v}" for k, v in ev.items()
+                                  if k not in ("event", "level", "timestamp", "logger"))
+                return f"{ev.get('event')}" + (f" ({extra})" if extra else "")
+            continue
+        if line.startswith("omnid: "):
+            return line[len("omnid: "):]
+        if " [error" in line or "[error]" in line:
+            return re.sub(r"\x1b\[[0-9;]*m", "", line)
+    return last or "(nothing in its log)"
+
+
+def _rotate(logfile: Path) -> None:
+    try:
+        if logfile.stat().st_size > DAEMON_LOG_MAX:
+            os.replace(logfile, logfile.with_name(logfile.name + ".1"))
+    except FileNotFoundError:
+        pass
+
+
+def _launch_daemon(a: argparse.Namespace, cfg) -> tuple[subprocess.Popen, Path, int]:
+    """Start `omnid daemon` in the background with only the flags the operator gave
+    (it resolves the rest from the same environment and omnid.toml as cfg did)."""
+    logfile = Path(cfg.state_dir) / "daemon.log"
+    try:
+        Path(cfg.state_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+        _rotate(logfile)
+        fd = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise CliError(f"cannot write the daemon's log {logfile}: {exc.strerror}") from None
+    offset = os.fstat(fd).st_size
+    argv = [sys.executable, "-m", "omnid", "--control", cfg.control, "daemon", "-u", cfg.units_dir,
+            "--log-file", str(logfile)]
+    for flag, value in (("--state-dir", a.state_dir), ("--health-listen", a.health_listen),
+                        ("--log-format", a.log_format)):
+        if value:
+            argv += [flag, value]
+    try:
         # A new session: the daemon outlives this command and the terminal's Ctrl+C.
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True,
                                 close_fds=True)
-    print(f"omnid: daemon started (pid {proc.pid}), units {units}, log {logfile}")
+    finally:
+        os.close(fd)
+    print(f"omnid: daemon started (pid {proc.pid}), units {cfg.units_dir}, log {logfile}", flush=True)
     from omnid.control import socket_is_live
 
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if os.path.exists(control) and socket_is_live(control):
-            return proc
         code = proc.poll()
         if code is not None:
-            tail = logfile.read_text(errors="replace").splitlines()[-15:]
-            raise CliError(f"the daemon exited with code {code} before answering; last log lines:\n  "
-                           + "\n  ".join(tail), EXIT_USAGE if code == 2 else EXIT_FAILED)
-        time.sleep(0.05)
-    raise CliError(f"the daemon did not open {control} within 30 s (log: {logfile})")
+            raise CliError(f"the daemon exited with code {code}: {_daemon_cause(logfile, offset)} "
+                           f"(full log: {logfile})", EXIT_USAGE if code == 2 else EXIT_FAILED)
+        if os.path.exists(cfg.control) and socket_is_live(cfg.control):
+            return proc, logfile, offset
+        time.sleep(0.02)
+    raise CliError(f"the daemon did not open {cfg.control} within 30 s (full log: {logfile})")
+
+
+def _progress(t0: float, unit: str, state: str, reason: str | None, shown: dict[str, tuple]) -> None:
+    """One progress line per change; the snapshot and an event that says the same are one line."""
+    if shown.get(unit) == (state, reason):
+        return
+    shown[unit] = (state, reason)
+    print(f"  [{time.monotonic() - t0:6.2f}s] {unit}: {state}"
+          + (f" ({reason})" if reason and state != "active" and reason != state else ""), flush=True)
 
 
 def cmd_start(a: argparse.Namespace) -> int:
+    from omnid import settings
     from omnid.control import socket_is_live
+    from omnid.units import StackInvalid
 
-    control = a.control
-    launched = None
-    if not a.unit_names and not (os.path.exists(control) and socket_is_live(control)):
-        launched = _launch_daemon(a, control)
-    elif a.units and a.unit_names:
-        raise CliError("-u applies when starting a new daemon; name units or a directory, not both", EXIT_USAGE)
-    client = Client(control)
-    sub = subscribe(control)
     t0 = time.monotonic()
+    if a.unit_names and a.units:
+        raise CliError("-u applies when starting a new daemon; name units or a directory, not both", EXIT_USAGE)
+    launched = logfile = None
+    offset = 0
+    if a.unit_names:
+        control = control_of(a)
+    else:
+        try:
+            _stack, cfg = settings.load_and_resolve(units_dir=a.units, control=a.control, state_dir=a.state_dir,
+                                                    health_listen=a.health_listen, log_format=a.log_format)
+        except StackInvalid as exc:
+            raise CliError(f"invalid stack in {os.path.abspath(a.units or settings.default_units_dir())}:\n"
+                           + "\n".join(f"  {e}" for e in exc.errors), EXIT_USAGE) from None
+        control = cfg.control
+        if os.path.exists(control) and socket_is_live(control):
+            running = Client(control).call("status", {}, timeout=10)["daemon"]["units_dir"]
+            if os.path.abspath(running) != cfg.units_dir:
+                raise CliError(f"the daemon at {control} runs the stack in {running}, not {cfg.units_dir}; "
+                               f"stop it first (omnid stop) or give the new stack its own --control",
+                               EXIT_USAGE)
+        else:
+            launched, logfile, offset = _launch_daemon(a, cfg)
+    client = Client(control)
+    # Subscribe first, then take a snapshot, then follow: no change falls in between.
+    sub = subscribe(control)
+    try:
+        snap = client.call("status", {}, timeout=10)["units"]
+    except CliError:
+        if launched is not None and launched.wait(5) is not None:
+            raise CliError(f"the daemon exited with code {launched.returncode}: "
+                           f"{_daemon_cause(logfile, offset)} (full log: {logfile})") from None
+        raise
+    shown: dict[str, tuple] = {}
+    for u in snap:
+        _progress(t0, u["name"], u["state"], u.get("reason"), shown)
     timeout = a.timeout
     args: dict = {"timeout": timeout}
     if a.unit_names:
         args["units"] = a.unit_names
-    client.sock.send(json.dumps({"id": "start", "cmd": "start", "args": args}).encode())
+    # A daemon this command launched starts its stack by itself: wait for that start to
+    # settle, never start again (a unit that failed with restart = "no" runs once).
+    cmd = "wait" if launched is not None else "start"
+    client.sock.send(json.dumps({"id": "start", "cmd": cmd, "args": args}).encode())
     deadline = t0 + timeout + 10
     reply = None
     import zmq
@@ -222,16 +217,20 @@ def cmd_start(a: argparse.Namespace) -> int:
                     ev = json.loads(sub.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
-                print(f"  [{time.monotonic() - t0:6.2f}s] {ev['unit']}: {ev['to']}"
-                      + (f" ({ev['reason']})" if ev.get("reason") and ev["to"] != "active" else ""))
+                _progress(t0, ev["unit"], ev["to"], ev.get("reason"), shown)
         if client.sock in ready:
             reply = json.loads(client.sock.recv())
             break
         if launched is not None and launched.poll() is not None:
-            raise CliError(f"the daemon exited with code {launched.returncode} during start")
+            raise CliError(f"the daemon exited with code {launched.returncode} during start: "
+                           f"{_daemon_cause(logfile, offset)} (full log: {logfile})")
+    sub.close(0)
     if reply is None:
         raise CliError(f"the stack was not ready within {timeout:g} s")
     if not reply.get("ok"):
+        if launched is not None and launched.wait(5) is not None:
+            raise CliError(f"the daemon exited with code {launched.returncode}: "
+                           f"{_daemon_cause(logfile, offset)} (full log: {logfile})")
         raise CliError(reply["error"]["message"], EXIT_USAGE if reply["error"]["code"] == "unknown_unit" else 1)
     result = reply["result"]
     units = result["units"]
@@ -244,15 +243,15 @@ def cmd_start(a: argparse.Namespace) -> int:
         return EXIT_FAILED
     print(f"\nomnid: ready in {time.monotonic() - t0:.1f} s")
     if not a.unit_names:
-        _print_hints(control)
+        _print_hints(client)
     return EXIT_OK
 
 
-def _print_hints(control: str) -> None:
-    from omnid.daemon import default_units_dir
+def _print_hints(client: Client) -> None:
+    from omnid.settings import default_units_dir
 
     try:
-        st = Client(control).call("status", {}, timeout=5)
+        st = client.call("status", {}, timeout=5)
     except CliError:
         return
     units_dir = st["daemon"]["units_dir"]
@@ -263,7 +262,15 @@ def _print_hints(control: str) -> None:
 
 
 def cmd_stop(a: argparse.Namespace) -> int:
-    client = Client(a.control)
+    control = control_of(a)
+    try:
+        client = Client(control)
+    except CliError as exc:
+        if exc.code == EXIT_NO_DAEMON:
+            # Like `systemctl stop` of a stopped unit: the wanted state holds; exit 0.
+            print(f"omnid: no daemon running at {control}; nothing to stop", file=sys.stderr)
+            return EXIT_OK
+        raise
     if a.unit_names:
         result = client.call("stop", {"units": a.unit_names, "timeout": a.timeout}, timeout=a.timeout + 10)
         print_summary(result["summary"])
@@ -272,22 +279,22 @@ def cmd_stop(a: argparse.Namespace) -> int:
     print_summary(result["summary"])
     # The daemon exits once it has answered: wait (bounded) until its socket is gone.
     deadline = time.monotonic() + 15
-    while os.path.exists(a.control) and time.monotonic() < deadline:
+    while os.path.exists(control) and time.monotonic() < deadline:
         time.sleep(0.02)
-    if os.path.exists(a.control):
-        print(f"omnid: warning: control socket {a.control} still present", file=sys.stderr)
+    if os.path.exists(control):
+        print(f"omnid: warning: control socket {control} still present", file=sys.stderr)
     return EXIT_FAILED if any(r.get("unkillable") for r in result["summary"]) else EXIT_OK
 
 
 def cmd_restart(a: argparse.Namespace) -> int:
-    client = Client(a.control)
+    client = Client(control_of(a))
     result = client.call("restart", {"units": a.unit_names, "timeout": a.timeout}, timeout=2 * a.timeout + 10)
     print_units(result["units"])
     return EXIT_OK if result["ok"] else EXIT_FAILED
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    client = Client(a.control)
+    client = Client(control_of(a))
     args: dict = {"verify": a.verify}
     if a.unit_names:
         args["units"] = a.unit_names
@@ -297,6 +304,12 @@ def cmd_status(a: argparse.Namespace) -> int:
         if a.verify:
             out["verify"] = result["verify"]
         print(json.dumps(out, indent=2))
+    elif a.unit_names:
+        for i, u in enumerate(result["units"]):
+            if i:
+                print()
+            lines = client.call("logs", {"unit": u["name"], "n": a.lines}, timeout=10).get(u["name"], [])
+            print_unit_detail(u, lines)
     else:
         print_units(result["units"])
     if a.verify:
@@ -311,114 +324,190 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 
 def cmd_kill(a: argparse.Namespace) -> int:
-    client = Client(a.control)
-    result = client.call("kill", {"unit": a.unit, "signal": a.signal}, timeout=10)
+    client = Client(control_of(a))
+    # omnid-control(7) takes a name or a number: pass numbers through as numbers.
+    sig: str | int = int(a.signal) if a.signal.isdigit() else a.signal
+    result = client.call("kill", {"unit": a.unit, "signal": sig}, timeout=10)
     print(f"sent {result['signal']} to {', '.join(result['signalled'])}")
     return EXIT_OK
 
 
 def cmd_events(a: argparse.Namespace) -> int:
-    Client(a.control).close()  # exits 3 when no daemon runs
-    sub = subscribe(a.control)
+    control = control_of(a)
+    client = Client(control)  # exits 3 when no daemon runs
+    # Subscribe first, then print the current state, then follow: nothing falls in between.
+    sub = subscribe(control)
+    snap = client.call("status", {}, timeout=10)["units"]
+    client.close()
+    now = time.time()
+    for u in snap:
+        ev = {"ts": now, "unit": u["name"], "pid": u.get("pid"), "from": None, "to": u["state"],
+              "reason": u.get("reason") or None, "current": True}
+        print(json.dumps(ev) if a.json else format_event(ev), flush=True)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         while True:
             if sub.poll(500):
                 ev = json.loads(sub.recv())
                 print(json.dumps(ev) if a.json else format_event(ev), flush=True)
-            elif not os.path.exists(a.control):
+            elif not os.path.exists(control):
                 print("omnid: the daemon went away", file=sys.stderr)
                 return EXIT_OK
     except KeyboardInterrupt:
         return EXIT_OK
+    finally:
+        sub.close(0)
+
+
+def parse_since(text: str, now: float | None = None) -> float:
+    """--since: seconds ago with a unit ("90s", "5m", "2h", "1d"), an epoch number, or an
+    ISO 8601 time ("2026-01-02T15:04:05", local time unless it says otherwise)."""
+    from datetime import datetime
+
+    now = time.time() if now is None else now
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|min|h|d)\s*", text)
+    if m:
+        return now - float(m.group(1)) * {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}[m.group(2)]
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a time such as 10m, 2h, 1d, an epoch number or 2026-01-02T15:04:05, got {text!r}") from None
 
 
 def cmd_logs(a: argparse.Namespace) -> int:
-    client = Client(a.control)
-    result = client.call("logs", {"unit": a.unit, "n": a.n}, timeout=10)
-    last: dict[str, float] = {}
+    client = Client(control_of(a))
+    as_json = a.json if a.json is not None else not sys.stdout.isatty()
+    n = 2000 if a.since is not None else a.n
+    result = client.call("logs", {"unit": a.unit, "n": n}, timeout=10)
     multi = len(result) > 1
+
+    def show(name: str, item: dict) -> None:
+        print(log_line_json(item, name) if as_json else format_log_line(item, name if multi else None), flush=True)
+
+    last: dict[str, float] = {}
     for name, lines in result.items():
+        if a.since is not None:
+            lines = [i for i in lines if i["ts"] >= a.since][-a.n:] if a.n else []
         for item in lines:
-            print(f"{name}: {item['line']}" if multi else item["line"])
-        last[name] = lines[-1]["ts"] if lines else 0.0
+            show(name, item)
+        last[name] = result[name][-1]["ts"] if result[name] else 0.0
     if not a.follow:
         return EXIT_OK
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         while True:
             time.sleep(0.25)
-            result = client.call("logs", {"unit": a.unit, "n": 500}, timeout=10)
+            result = client.call("logs", {"unit": a.unit, "n": 2000}, timeout=10)
             for name, lines in result.items():
                 for item in lines:
                     if item["ts"] > last.get(name, 0.0):
-                        print(f"{name}: {item['line']}" if multi else item["line"], flush=True)
+                        show(name, item)
                         last[name] = item["ts"]
     except KeyboardInterrupt:
         return EXIT_OK
 
-
 # --------------------------------------------------------------------------- parser
-def build_parser() -> argparse.ArgumentParser:
-    from omnid.daemon import default_control
+def _version() -> str:
+    try:
+        from importlib.metadata import version
 
-    p = argparse.ArgumentParser(prog="omnid", description="process supervisor for GPU inference stacks")
-    p.add_argument("--control", default=os.environ.get("OMNID_CONTROL") or default_control(),
-                   help="control socket path (env OMNID_CONTROL)")
+        return version("omnid")
+    except Exception:  # noqa: BLE001 - not installed: a checkout on PYTHONPATH
+        return "0.1.0 (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="omnid", description="process supervisor for GPU inference stacks",
+                                epilog="exit codes: 0 ok, 1 the operation failed, 2 usage or configuration "
+                                       "error, 3 no daemon running (omnid stop: 0). See omnid(8).")
+    p.add_argument("--version", action="version", version=f"omnid {_version()}")
+    p.add_argument("--control", default=None, metavar="PATH",
+                   help="control socket path (default: $OMNID_CONTROL, then omnid.toml's control for start, "
+                        "then /run/omnid/control.sock as root)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def timeout_arg(sp: argparse.ArgumentParser, default: float) -> None:
-        sp.add_argument("--timeout", type=_positive, default=default, help=f"seconds (default {default:g})")
+    def timeout_arg(sp: argparse.ArgumentParser, default: float, what: str) -> None:
+        sp.add_argument("--timeout", type=_positive, default=default, metavar="SECONDS",
+                        help=f"how long to wait for {what} (default {default:g})")
 
-    d = sub.add_parser("daemon", help="run the daemon in the foreground")
-    d.add_argument("-u", "--units", help="stack directory (default: the built-in demo stack)")
-    d.add_argument("--state-dir")
-    d.add_argument("--health-listen", type=_host_port)
-    d.add_argument("--log-format", choices=["json", "console"])
+    def daemon_settings(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--state-dir", metavar="DIR",
+                        help="state file, lock and daemon.log (default: $OMNID_STATE_DIR, omnid.toml, "
+                             "/var/lib/omnid as root)")
+        sp.add_argument("--health-listen", type=_host_port, metavar="HOST:PORT",
+                        help="health API address, numeric host (default: $OMNID_HEALTH_LISTEN, omnid.toml, "
+                             "127.0.0.1:9321)")
+        sp.add_argument("--log-format", choices=["json", "console"],
+                        help="daemon log lines (default: $OMNID_LOG_FORMAT, omnid.toml, console on a "
+                             "terminal, else json)")
+
+    d = sub.add_parser("daemon", help="run the daemon in the foreground (systemd's ExecStart)")
+    d.add_argument("-u", "--units", metavar="DIR", help="stack directory (default: the built-in demo stack)")
+    daemon_settings(d)
+    d.add_argument("--log-file", metavar="PATH",
+                   help="the file stderr goes to, rotated to PATH.1 beyond 8 MiB (omnid start sets it)")
     d.set_defaults(func=cmd_daemon)
 
     s = sub.add_parser("start", help="start the daemon and the stack, or units of a running daemon")
-    s.add_argument("unit_names", nargs="*", metavar="UNIT")
-    s.add_argument("-u", "--units", help="stack directory for a new daemon (default: the demo stack)")
-    s.add_argument("--state-dir")
-    s.add_argument("--health-listen", type=_host_port)
-    s.add_argument("--log-format", choices=["json", "console"])
-    timeout_arg(s, 600)
+    s.add_argument("unit_names", nargs="*", metavar="UNIT", help="units of the running daemon to start")
+    s.add_argument("-u", "--units", metavar="DIR",
+                   help="stack directory for a new daemon (default: the demo stack); refused (exit 2) when "
+                        "a daemon already runs another stack on the same control socket")
+    daemon_settings(s)
+    timeout_arg(s, 600, "the stack to be ready")
     s.set_defaults(func=cmd_start)
 
-    st = sub.add_parser("stop", help="stop units, or the whole stack and the daemon")
-    st.add_argument("unit_names", nargs="*", metavar="UNIT")
-    timeout_arg(st, 600)
+    st = sub.add_parser("stop", help="stop units, or the whole stack and the daemon (exit 0 if none runs)")
+    st.add_argument("unit_names", nargs="*", metavar="UNIT", help="units to stop (default: all, and the daemon)")
+    timeout_arg(st, 600, "the stop")
     st.set_defaults(func=cmd_stop)
 
     r = sub.add_parser("restart", help="restart units")
-    r.add_argument("unit_names", nargs="+", metavar="UNIT")
-    timeout_arg(r, 600)
+    r.add_argument("unit_names", nargs="+", metavar="UNIT", help="units to restart")
+    timeout_arg(r, 600, "the units to be back")
     r.set_defaults(func=cmd_restart)
 
-    stat = sub.add_parser("status", help="show units")
-    stat.add_argument("unit_names", nargs="*", metavar="UNIT")
-    stat.add_argument("--json", action="store_true")
+    stat = sub.add_parser("status", help="show units; with UNIT, one unit in detail and its last log lines")
+    stat.add_argument("unit_names", nargs="*", metavar="UNIT", help="units to show in detail")
+    stat.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
     stat.add_argument("--verify", action="store_true", help="check every unit's state against /proc")
+    stat.add_argument("-n", "--lines", type=_non_negative_int, default=10, metavar="N",
+                      help="log lines in the detail view (default 10)")
     stat.set_defaults(func=cmd_status)
 
     k = sub.add_parser("kill", help="signal a unit's process group")
-    k.add_argument("unit")
-    k.add_argument("--signal", "-s", default="SIGTERM")
+    k.add_argument("unit", metavar="UNIT", help="the unit to signal")
+    k.add_argument("--signal", "-s", default="SIGTERM", metavar="SIGNAL",
+                   help="name (SIGTERM, TERM) or number (15); default SIGTERM")
     k.set_defaults(func=cmd_kill)
 
-    e = sub.add_parser("events", help="follow state changes")
-    e.add_argument("--json", action="store_true")
+    e = sub.add_parser("events", help="print every unit's current state, then follow state changes")
+    e.add_argument("--json", action="store_true", help="one JSON object a line")
     e.set_defaults(func=cmd_events)
 
-    lg = sub.add_parser("logs", help="recent output of a unit")
-    lg.add_argument("unit")
-    lg.add_argument("-n", type=_non_negative_int, default=50)
-    lg.add_argument("-f", "--follow", action="store_true")
+    lg = sub.add_parser("logs", help="recent output of a unit, with timestamps and stream")
+    lg.add_argument("unit", metavar="UNIT", help="the unit (a template name covers every instance)")
+    lg.add_argument("-n", "--lines", dest="n", type=_non_negative_int, default=50, metavar="N",
+                    help="how many of the last lines (default 50)")
+    lg.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    lg.add_argument("--since", type=parse_since, metavar="TIME",
+                    help="only lines since TIME: 10m, 2h, 1d, epoch seconds or 2026-01-02T15:04:05")
+    fmt = lg.add_mutually_exclusive_group()
+    fmt.add_argument("--json", dest="json", action="store_true", default=None,
+                     help="JSON lines (the default when stdout is not a terminal)")
+    fmt.add_argument("--text", dest="json", action="store_false", help="text lines even into a pipe")
     lg.set_defaults(func=cmd_logs)
 
-    c = sub.add_parser("check", help="validate a stack directory")
-    c.add_argument("-u", "--units", help="stack directory (default: the demo stack)")
+    c = sub.add_parser("check", help="validate a stack directory and what its units need on this host")
+    c.add_argument("-u", "--units", metavar="DIR", help="stack directory (default: the demo stack)")
+    c.add_argument("--this-host", action="store_true",
+                   help="the stack runs on this host: a missing executable, user, group or cwd is an error "
+                        "(exit 2), not a warning")
     c.set_defaults(func=cmd_check)
     return p
 
@@ -456,7 +545,8 @@ def _host_port(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
-    a.control = os.path.abspath(a.control)
+    if a.control:
+        a.control = os.path.abspath(a.control)
     try:
         return a.func(a)
     except CliError as exc:

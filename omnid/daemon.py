@@ -18,17 +18,19 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import zmq
 import zmq.asyncio
 
-from omnid import linux, logconfig
+from omnid import linux, logconfig, settings
 from omnid.control import ControlError, ControlServer, prepare_socket_dir
+from omnid.metrics import DaemonMetrics
 from omnid.notify import NotifyServer
+from omnid.sdnotify_out import ServiceNotifier
 from omnid.spawnclient import SpawnerClient, SpawnerGone
+from omnid.states import UnitState as S
 from omnid.statefile import StateFile, find_leftovers, kill_leftovers
 from omnid.supervisor import StopRecord, Supervisor, UnitNotFound
 from omnid.tasks import DaemonTask
@@ -36,18 +38,17 @@ from omnid.units import Stack, StackInvalid, check_stack, load_stack, parse_sign
 
 log = structlog.get_logger("omnid.daemon")
 
-DEFAULT_HEALTH = "127.0.0.1:9321"
+DEFAULT_HEALTH = settings.DEFAULT_HEALTH
 
 
 def bind_listener(listen: str) -> socket.socket:
     """A listening TCP socket on HOST:PORT (numeric host: no resolver thread)."""
-    host, _, port = listen.rpartition(":")
-    host = host.strip("[]") or "127.0.0.1"
+    host, port = settings.parse_listen(listen)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, int(port)))
+        sock.bind((host, port))
         sock.listen(512)
         sock.setblocking(False)
     except OSError:
@@ -56,60 +57,21 @@ def bind_listener(listen: str) -> socket.socket:
     return sock
 
 
-def default_control() -> str:
-    if os.getuid() == 0:
-        return "/run/omnid/control.sock"
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        return os.path.join(runtime, "omnid", "control.sock")
-    return f"/tmp/omnid-{os.getuid()}/control.sock"
-
-
-def default_state_dir() -> str:
-    if os.getuid() == 0:
-        return "/var/lib/omnid"
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(base, "omnid")
-
-
-def default_units_dir() -> str:
-    """The built-in reference stack: units/demo of the checkout, or the copy shipped in the package."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "units" / "demo", here / "demo" / "units"):
-        if candidate.is_dir():
-            return str(candidate)
-    return str(here.parent / "units" / "demo")
-
-
-@dataclass(frozen=True)
-class DaemonConfig:
-    units_dir: str
-    control: str
-    state_dir: str
-    health_listen: str
-    log_format: str
-
-
-def resolve_config(units_dir: str | None, control: str | None, state_dir: str | None,
-                   health_listen: str | None, log_format: str | None, stack: Stack | None) -> DaemonConfig:
-    """Flags > environment > omnid.toml > defaults."""
-    st = stack.settings if stack is not None else None
-    return DaemonConfig(
-        units_dir=os.path.abspath(units_dir or default_units_dir()),
-        control=os.path.abspath(control or os.environ.get("OMNID_CONTROL")
-                                or (str(st.control) if st and st.control else None) or default_control()),
-        state_dir=os.path.abspath(state_dir or os.environ.get("OMNID_STATE_DIR")
-                                  or (str(st.state_dir) if st and st.state_dir else None) or default_state_dir()),
-        health_listen=health_listen or os.environ.get("OMNID_HEALTH_LISTEN")
-        or (st.health_listen if st and st.health_listen else None) or DEFAULT_HEALTH,
-        log_format=log_format or os.environ.get("OMNID_LOG_FORMAT")
-        or (str(st.log_format) if st and st.log_format else None) or "console",
-    )
+# Kept importable from here: the one resolver lives in omnid.settings.
+default_control = settings.default_control
+default_state_dir = settings.default_state_dir
+default_units_dir = settings.default_units_dir
+DaemonConfig = settings.DaemonConfig
 
 
 class Daemon:
-    def __init__(self, cfg: DaemonConfig, stack: Stack) -> None:
+    def __init__(self, cfg: DaemonConfig, stack: Stack, service: ServiceNotifier | None = None) -> None:
         self.cfg = cfg
+        self.service = service or ServiceNotifier({})
+        # Set once the stack's first start has settled (every unit active, or failed and
+        # not restarting, or waiting on one that is): READY=1 to systemd, `wait` replies.
+        self.settled: asyncio.Event | None = None
+        self.metrics = DaemonMetrics()
         self.stack = stack
         self.token = secrets.token_hex(8)
         self.state = StateFile(Path(cfg.state_dir))
@@ -128,6 +90,12 @@ class Daemon:
         self._health_task: asyncio.Task | None = None
 
     # -- callbacks --------------------------------------------------------------
+    def _publish(self, ev: dict) -> None:
+        if self.sup is not None:
+            self.metrics.on_event(ev, self.sup)
+        if self.control is not None:
+            self.control.publish(ev)
+
     def _on_exit(self, rep) -> None:
         if self.sup is not None:
             self.sup.on_exit_report(rep)
@@ -274,11 +242,79 @@ class Daemon:
         errors = check_stack(directory)
         return {"ok": not errors, "units_dir": directory, "errors": [str(e) for e in errors]}
 
+    async def handle_wait(self, args: dict) -> dict:
+        """Wait (up to "timeout") for the daemon's first start of the stack to settle, without
+        starting anything: `omnid start` launching a fresh daemon uses it, so a unit that
+        failed with restart = "no" runs once."""
+        assert self.sup is not None and self.settled is not None
+        timeout = self._timeout_arg(args)
+        assert self.shutdown_requested is not None
+        waits = [asyncio.ensure_future(self.settled.wait()), asyncio.ensure_future(self.shutdown_requested.wait())]
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if self.shutdown_requested.is_set() and not self.settled.is_set():
+            raise ControlError("shutting_down", "the daemon is stopping (see its log for why)")
+        units = self.sup.snapshot()
+        return {"ok": self.settled.is_set() and all(u["state"] == "active" for u in units),
+                "settled": self.settled.is_set(), "units": units}
+
+    # -- systemd ------------------------------------------------------------------
+    def _stack_settled(self) -> bool:
+        assert self.sup is not None
+        sup = self.sup
+        for u in sup.units.values():
+            if u.op is not None:
+                return False
+            if u.state is S.ACTIVE or (u.state is S.FAILED and not u.restart_pending):
+                continue
+            if u.state is S.INACTIVE and sup._stuck(u):
+                continue
+            return False
+        return True
+
+    def _progress(self) -> str:
+        assert self.sup is not None
+        units = self.sup.units.values()
+        active = sum(1 for u in units if u.state is S.ACTIVE)
+        failed = sorted(u.name for u in units if u.state is S.FAILED)
+        starting = sorted(u.name for u in units if u.state is S.STARTING)
+        text = f"{active}/{len(self.sup.units)} units active"
+        if starting:
+            text += f", starting: {', '.join(starting[:5])}" + (" ..." if len(starting) > 5 else "")
+        if failed:
+            text += f", failed: {', '.join(failed[:5])}" + (" ..." if len(failed) > 5 else "")
+        return text
+
+    async def _watch_startup(self) -> None:
+        """STATUS= lines while the stack comes up, EXTEND_TIMEOUT_USEC while units are
+        still starting (a slow model load), then READY=1 once it has settled."""
+        assert self.sup is not None and self.settled is not None and self.shutdown_requested is not None
+        last = ""
+        while not self.shutdown_requested.is_set():
+            if await self.sup.wait_until(self._stack_settled, 1.0):
+                break
+            text = self._progress()
+            if text != last:
+                self.service.status(f"starting: {text}")
+                last = text
+            if any(u.state is S.STARTING for u in self.sup.units.values()):
+                self.service.send("EXTEND_TIMEOUT_USEC=3000000")
+        if self.shutdown_requested.is_set():
+            return
+        self.settled.set()
+        text = self._progress()
+        self.service.send("READY=1", f"STATUS=ready: {text}")
+        log.info("stack settled", status=text)
+
     # -- life ---------------------------------------------------------------------
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         self.shutdown_requested = asyncio.Event()
         self.shutdown_result = loop.create_future()
+        self.settled = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         await self.spawner.attach()
@@ -291,7 +327,7 @@ class Daemon:
             log.info("GPU checks off", reason=self.gpu.reason)
         ctx = zmq.asyncio.Context()
         self.sup = Supervisor(self.stack, self.spawner, token=self.token, notify_socket=self.notify.address,
-                              publish=lambda ev: self.control.publish(ev) if self.control else None,
+                              publish=self._publish,
                               on_pids_changed=self._schedule_state_write,
                               check_invariants=os.environ.get("OMNID_CHECK_INVARIANTS") == "1",
                               gpu=self.gpu)
@@ -314,11 +350,24 @@ class Daemon:
         self._write_state()
         log.info("daemon ready", units_dir=self.cfg.units_dir, control=self.cfg.control,
                  health=self.cfg.health_listen, units=len(self.sup.units), spawner_pid=self.spawner.pid)
+        startup_task = None
         if health_sock is not None:
+            self.service.status(f"starting: {self._progress()}")
+            self.service.start_watchdog()
             self.sup._kick()
             self._health_task = loop.create_task(self._start_health(health_sock))
+            startup_task = loop.create_task(self._watch_startup())
         await self.shutdown_requested.wait()
+        self.service.send("STOPPING=1", "STATUS=stopping the stack")
         log.info("stopping the stack")
+        if startup_task is not None:
+            startup_task.cancel()
+            try:
+                await startup_task
+            except asyncio.CancelledError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - reported, never silent
+                log.error("start-up watch failed", error=str(exc))
         t0 = time.monotonic()
         recs = await self.sup.shutdown()
         self.shutdown_result.set_result(recs)
@@ -350,6 +399,8 @@ class Daemon:
         self.notify.close()
         await self.spawner.shutdown()
         self.state.remove()
+        self.service.status(f"stopped (exit {self.exit_code})")
+        self.service.close()
         return self.exit_code
 
     def _start_control_reader(self) -> asyncio.Task:
@@ -365,6 +416,7 @@ class Daemon:
         health_mod = await asyncio.to_thread(importlib.import_module, "omnid.health")
         self.health = health_mod.HealthServer(self.sup, self.cfg.health_listen, degraded=lambda: self.sup.degraded,
                                               gpu_usage=lambda: self.sup.gpu_mib)
+        self.health.daemon_metrics = self.metrics
         await self.health.start(sock)
         # Everything allocated so far (modules, sockets, units) lives as long as the
         # daemon: keep it out of the cyclic GC, whose full passes over it cost tens of
@@ -391,7 +443,7 @@ class Daemon:
 
 
 def run(units_dir: str | None, control: str | None, state_dir: str | None, health_listen: str | None,
-        log_format: str | None) -> int:
+        log_format: str | None, log_file: str | None = None) -> int:
     """The `omnid daemon` command. Returns the process exit code."""
     udir = os.path.abspath(units_dir or default_units_dir())
     try:
@@ -401,8 +453,9 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
         for err in exc.errors:
             print(f"  {err}", file=sys.stderr)
         return 2
-    cfg = resolve_config(udir, control, state_dir, health_listen, log_format, stack)
-    logconfig.configure(cfg.log_format)
+    cfg = settings.resolve(units_dir=udir, control=control, state_dir=state_dir, health_listen=health_listen,
+                           log_format=log_format, stack_settings=stack.settings)
+    logconfig.configure(cfg.log_format, log_file=log_file)
     linux.mark_fds_non_inheritable()
     try:
         from setproctitle import setproctitle
@@ -430,7 +483,8 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
     except OSError as exc:
         print(f"omnid: cannot create control socket directory for {cfg.control}: {exc}", file=sys.stderr)
         return 1
-    daemon = Daemon(cfg, stack)
+    # Taken out of the environment before the spawner is exec'd: units never see systemd's socket.
+    daemon = Daemon(cfg, stack, ServiceNotifier())
     previous = daemon.state.read()
     if previous:
         leftovers = find_leftovers(previous)

@@ -151,10 +151,23 @@ class HealthServer:
         metric("omnid_unit_last_exit_signal", "gauge", "signal number of the last exit (0: none)")
         for u in units:
             lines.append(f"omnid_unit_last_exit_signal{lbl(unit=u.name)} {u.last_signal or 0}")
-        metric("omnid_death_detection_ms", "gauge", "pidfd wake-up to failed state, last death of the unit")
+        dm = getattr(self, "daemon_metrics", None)
+        if dm is not None:
+            metric("omnid_death_detection_seconds", "histogram", "pidfd wake-up to failed state, per death")
+            lines.extend(dm.death_detection.render("omnid_death_detection_seconds", lbl))
+        metric("omnid_unit_log_lines_total", "counter", "output lines read from the unit")
         for u in units:
-            if u.death_detect_ms is not None:
-                lines.append(f"omnid_death_detection_ms{lbl(unit=u.name)} {u.death_detect_ms:.3f}")
+            if u.output is not None:
+                lines.append(f"omnid_unit_log_lines_total{lbl(unit=u.name)} {u.output.lines_total}")
+        metric("omnid_unit_log_lines_dropped_total", "counter",
+               "output lines not echoed into the daemon log (rate limit; kept for omnid logs)")
+        for u in units:
+            if u.output is not None:
+                lines.append(f"omnid_unit_log_lines_dropped_total{lbl(unit=u.name)} {u.output.echo_dropped}")
+        metric("omnid_unit_log_lines_truncated_total", "counter", "output lines cut at 16 KiB")
+        for u in units:
+            if u.output is not None:
+                lines.append(f"omnid_unit_log_lines_truncated_total{lbl(unit=u.name)} {u.output.lines_truncated}")
         metric("omnid_unit_rss_bytes", "gauge", "resident memory of the unit's processes")
         usage = {u.name: group_usage(u) for u in units}
         for name, (rss, _cpu, _n) in usage.items():
@@ -167,9 +180,9 @@ class HealthServer:
             lines.append(f"omnid_unit_processes{lbl(unit=name)} {n}")
         gpu = self.gpu_usage()
         if gpu:
-            metric("omnid_unit_gpu_memory_mib", "gauge", "GPU memory held by the unit's processes (NVML)")
+            metric("omnid_unit_gpu_memory_bytes", "gauge", "GPU memory held by the unit's processes (NVML)")
             for name, mib in gpu.items():
-                lines.append(f"omnid_unit_gpu_memory_mib{lbl(unit=name)} {mib:.1f}")
+                lines.append(f"omnid_unit_gpu_memory_bytes{lbl(unit=name)} {int(mib * 1048576)}")
         me = psutil.Process()
         metric("omnid_daemon_rss_bytes", "gauge", "resident memory of the daemon")
         lines.append(f"omnid_daemon_rss_bytes {me.memory_info().rss}")

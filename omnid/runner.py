@@ -43,6 +43,14 @@ def main() -> None:
         sys.path[0] = os.path.dirname(os.path.abspath(rest[0]))
     if title:
         _set_title(title)
+    # stdout is a pipe to the daemon: Python would block-buffer it and print() would
+    # reach `omnid logs` only at exit. Line-buffer it, as on a terminal, whatever the
+    # daemon's own environment says about PYTHONUNBUFFERED.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True)
+        except (AttributeError, ValueError):
+            pass
     import runpy
 
     if rest[0] == "-m":

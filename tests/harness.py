@@ -3,6 +3,7 @@ socket and health API, wait for conditions with deadlines, and always reap it.""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -24,6 +25,22 @@ from omnid import linux
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Every /tmp/omst-* and /tmp/omd-* directory this process made, removed at exit even
+# when a test failed before its own cleanup (a stack directory has no owner to close it).
+_TEMP_DIRS: list[Path] = []
+
+
+def temp_dir(prefix: str) -> Path:
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    _TEMP_DIRS.append(d)
+    return d
+
+
+@atexit.register
+def remove_temp_dirs() -> None:
+    while _TEMP_DIRS:
+        shutil.rmtree(_TEMP_DIRS.pop(), ignore_errors=True)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -33,7 +50,7 @@ def free_port() -> int:
 
 def make_stack(units: dict[str, str], settings: str | None = None) -> Path:
     """Write a stack directory: {unit name: TOML text}."""
-    d = Path(tempfile.mkdtemp(prefix="omst-", dir="/tmp"))
+    d = temp_dir("omst-")
     for name, text in units.items():
         (d / f"{name}.toml").write_text(textwrap.dedent(text))
     if settings is not None:
@@ -61,7 +78,7 @@ def alive(pid: int) -> bool:
 class Daemon:
     def __init__(self, units_dir: Path | str, env: dict[str, str] | None = None, python: str | None = None) -> None:
         self.units_dir = Path(units_dir)
-        self.workdir = Path(tempfile.mkdtemp(prefix="omd-", dir="/tmp"))
+        self.workdir = temp_dir("omd-")
         self.control = str(self.workdir / "c.sock")
         self.state_dir = self.workdir / "state"
         self.health_port = free_port()

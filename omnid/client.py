@@ -1,0 +1,72 @@
+"""Talking to a running daemon: the control socket (one request at a time, each
+reply awaited with a deadline) and the events socket. Used by omnid.cli."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_DAEMON = 0, 1, 2, 3
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# --------------------------------------------------------------------------- client
+class Client:
+    """One request at a time over a DEALER socket, each reply awaited with a deadline."""
+
+    def __init__(self, control: str) -> None:
+        from omnid.control import socket_is_live
+
+        self.control = control
+        if not os.path.exists(control) or not socket_is_live(control):
+            raise CliError(f"no omnid daemon running (no control socket answering at {control})", EXIT_NO_DAEMON)
+        import zmq
+
+        self.zmq = zmq
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"ipc://{control}")
+        self._n = 0
+
+    def call(self, cmd: str, args: dict | None = None, timeout: float = 30.0):
+        self._n += 1
+        rid = f"{os.getpid()}-{self._n}"
+        self.sock.send(json.dumps({"id": rid, "cmd": cmd, "args": args or {}}).encode())
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CliError(f"no answer to {cmd!r} from the daemon within {timeout:g} s")
+            if self.sock.poll(min(left, 0.5) * 1000):
+                reply = json.loads(self.sock.recv())
+                if reply.get("id") != rid:
+                    continue
+                if not reply.get("ok"):
+                    err = reply.get("error") or {}
+                    code = EXIT_USAGE if err.get("code") in ("unknown_unit", "bad_request") else EXIT_FAILED
+                    raise CliError(err.get("message") or "the daemon refused the request", code)
+                return reply.get("result")
+            if not os.path.exists(self.control):
+                raise CliError(f"the daemon went away while answering {cmd!r}")
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def subscribe(control: str):
+    import zmq
+
+    from omnid.control import events_path
+
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"ipc://{events_path(control)}")
+    return sub

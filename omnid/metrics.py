@@ -1,0 +1,53 @@
+"""Prometheus figures the daemon accumulates between scrapes (rendered by
+omnid.health's /metrics). Base units: seconds and bytes."""
+
+from __future__ import annotations
+
+import bisect
+
+# pidfd wake-up to `failed`: ms on an idle host, longer when a leftover must be killed.
+DEATH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Histogram:
+    """Cumulative buckets per label value (the unit), as Prometheus' text format wants."""
+
+    def __init__(self, buckets: tuple[float, ...] = DEATH_BUCKETS) -> None:
+        self.buckets = buckets
+        self.series: dict[str, tuple[list[int], list[float]]] = {}  # unit -> (counts per bucket, [sum])
+
+    def observe(self, unit: str, seconds: float) -> None:
+        counts, total = self.series.setdefault(unit, ([0] * (len(self.buckets) + 1), [0.0]))
+        counts[bisect.bisect_left(self.buckets, seconds)] += 1
+        total[0] += seconds
+
+    def render(self, name: str, label) -> list[str]:
+        lines: list[str] = []
+        for unit, (counts, total) in self.series.items():
+            cum = 0
+            for bound, c in zip(self.buckets, counts):
+                cum += c
+                lines.append(f"{name}_bucket{label(unit=unit, le=repr(bound))} {cum}")
+            cum += counts[-1]
+            lines.append(f"{name}_bucket{label(unit=unit, le='+Inf')} {cum}")
+            lines.append(f"{name}_sum{label(unit=unit)} {total[0]:.6f}")
+            lines.append(f"{name}_count{label(unit=unit)} {cum}")
+        return lines
+
+
+class DaemonMetrics:
+    def __init__(self) -> None:
+        self.death_detection = Histogram()
+        self._deaths_seen: dict[str, int] = {}
+
+    def on_event(self, ev: dict, sup) -> None:
+        """Called for every published state change: a new death of a unit is observed once."""
+        if ev.get("to") != "failed":
+            return
+        u = sup.units.get(ev.get("unit"))
+        if u is None or u.death_detect_ms is None:
+            return
+        if self._deaths_seen.get(u.name) == u.deaths:
+            return
+        self._deaths_seen[u.name] = u.deaths
+        self.death_detection.observe(u.name, u.death_detect_ms / 1000.0)

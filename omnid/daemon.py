@@ -160,7 +160,7 @@ class Daemon:
         assert self.sup is not None
         names = self._units_arg(args)
         self._known(names)
-        wanted = set(self.sup.expand(names)) if names else None
+        wanted = set(self.sup.expand(names, whole_groups=False)) if names else None
         units = [s for s in self.sup.snapshot() if wanted is None or s["name"] in wanted]
         out: dict = {"units": units, "daemon": {"pid": os.getpid(), "spawner_pid": self.spawner.pid,
                                                "units_dir": self.cfg.units_dir, "since": self.sup.started_at,
@@ -227,7 +227,7 @@ class Daemon:
         n = args.get("n", 50)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ControlError("bad_request", f"\"n\" must be a non-negative integer, got {n!r}")
-        return {name: self.sup.units[name].output.tail(n) for name in self.sup.expand([unit])}  # type: ignore[union-attr]
+        return {name: self.sup.units[name].output.tail(n) for name in self.sup.expand([unit], whole_groups=False)}  # type: ignore[union-attr]
 
     async def handle_shutdown(self, args: dict) -> dict:
         assert self.shutdown_requested is not None and self.shutdown_result is not None

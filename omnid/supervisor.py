@@ -64,6 +64,28 @@ _PID_SUFFIX = re.compile(r" \(pid \d+, while \w+\)")
 
 
 @dataclass
+class RestartBook:
+    """Restart bookkeeping: one per unit, or one shared by every member of a worker group,
+    so that backoff, the start limit and the generation count the group as one thing."""
+
+    start_times: collections.deque = field(default_factory=collections.deque)
+    consecutive_failures: int = 0
+    restart_at: float = 0.0  # monotonic; no automatic start before
+    restart_pending: bool = False
+    gave_up: bool = False
+    generation: int = 0  # starts so far (a worker group's start counts once)
+    # Worker groups only: the group is up (a generation was opened and none of its members
+    # failed yet); `down_reason` names the member whose failure took the generation down.
+    up: bool = False
+    down_reason: str | None = None
+    failure_counted: bool = False
+
+
+def _book_field(name: str) -> property:
+    return property(lambda u: getattr(u.book, name), lambda u, value: setattr(u.book, name, value))
+
+
+@dataclass
 class Unit:
     spec: UnitSpec
     state: UnitState = S.INACTIVE
@@ -74,11 +96,7 @@ class Unit:
     last_pgid: int = 0
     ready: bool = False
     restarts: int = 0
-    start_times: collections.deque = field(default_factory=collections.deque)
-    consecutive_failures: int = 0
-    restart_at: float = 0.0  # monotonic; no automatic start before
-    restart_pending: bool = False
-    gave_up: bool = False
+    book: RestartBook = field(default_factory=RestartBook)
     last_exit: str = ""
     last_exit_code: int | None = None
     last_signal: int | None = None
@@ -98,6 +116,12 @@ class Unit:
     cause: str = ""  # the last failure, without pid: what dependents' reasons name
     goal_seq: int = 0  # bumped by every operator start/stop: a waiter sees it was overtaken
     goal_by: str = ""  # "start" or "stop": the last operator request on this unit
+
+    start_times = _book_field("start_times")
+    consecutive_failures = _book_field("consecutive_failures")
+    restart_at = _book_field("restart_at")
+    restart_pending = _book_field("restart_pending")
+    gave_up = _book_field("gave_up")
 
     @property
     def name(self) -> str:
@@ -130,6 +154,8 @@ class Unit:
             "gave_up": self.gave_up,
             "instance": self.spec.instance,
             "gpus": list(self.spec.gpus),
+            "generation": self.book.generation,
+            **({"worker_group": self.spec.worker_group} if self.spec.worker_group else {}),
         }
 
 
@@ -163,8 +189,9 @@ class Supervisor:
         self.gpu = gpu
         self.order: list[str] = [u.name for tier in stack.tiers() for u in tier]  # start order
         self.units: dict[str, Unit] = {}
+        books = {g: RestartBook() for g in stack.groups}  # a worker group restarts as one
         for name, spec in stack.units.items():
-            u = Unit(spec=spec)
+            u = Unit(spec=spec, book=books[spec.worker_group] if spec.worker_group else RestartBook())
             u.output = UnitOutput(name, echo=echo_output)
             self.units[name] = u
         self._dependents_after: dict[str, list[str]] = {n: [] for n in self.order}
@@ -190,17 +217,19 @@ class Supervisor:
         except KeyError:
             raise UnitNotFound(name) from None
 
-    def expand(self, names: Iterable[str]) -> list[str]:
-        """Unit names as the operator typed them: templates mean all instances."""
+    def expand(self, names: Iterable[str], whole_groups: bool = True) -> list[str]:
+        """Unit names as the operator typed them: templates mean all instances, and a member of
+        a worker group means the whole group (its ranks are one thing)."""
         out: list[str] = []
         for n in names:
             if n in self.units:
-                out.append(n)
+                out.extend(self.stack.group_members(n) if whole_groups else (n,))
                 continue
             inst = [u for u in self.order if self.units[u].spec.template == n]
             if not inst:
                 raise UnitNotFound(n)
-            out.extend(inst)
+            for i in inst:
+                out.extend(self.stack.group_members(i) if whole_groups else (i,))
         return list(dict.fromkeys(out))
 
     # -------------------------------------------------------------- transition
@@ -222,6 +251,9 @@ class Supervisor:
         for action in actions:
             if isinstance(action, Release):
                 self._release(u)
+        if to in (S.INACTIVE, S.FAILED) and u.spec.worker_group and u.book.up \
+                and self._group_settled(u, frozenset({u.name})):
+            u.book.up = False  # every member is down: the next start is a new generation
         log.info("unit state", unit=u.name, **{"from": frm.value, "to": to.value}, on=event.value, reason=reason,
                  pid=pid)
         self.publish({"ts": time.time(), "unit": u.name, "pid": pid, "from": frm.value, "to": to.value,
@@ -284,6 +316,8 @@ class Supervisor:
         """Why a running unit has to stop now, or None."""
         if u.goal is Goal.INACTIVE:
             return "stopped by request" if not self.shutting_down else "stack stopping"
+        if u.spec.worker_group and u.book.down_reason is not None:
+            return f"stopped: worker group {u.spec.worker_group} is down: {u.book.down_reason}"
         for r in u.spec.requires:
             if self._down(self.units[r]):
                 return f"stopped: requires {self._root_cause(r)}"
@@ -329,20 +363,50 @@ class Supervisor:
 
     def _will_start(self, u: Unit) -> bool:
         """Would this unit be started (now or later) without an operator?"""
-        if u.goal is not Goal.ACTIVE or u.gave_up:
+        if u.goal is not Goal.ACTIVE or u.gave_up or self._group_down_for_good(u):
             return False
         if u.state is S.FAILED:
             return u.restart_pending
         return True
 
+    @staticmethod
+    def _group_down_for_good(u: Unit) -> bool:
+        """A member failed and the group will not restart by itself (restart = "no", start limit)."""
+        book = u.book
+        return bool(u.spec.worker_group) and book.down_reason is not None and (book.gave_up or not book.restart_pending)
+
+    def _group_settled(self, u: Unit, skip: frozenset = frozenset()) -> bool:
+        """Is every member of u's worker group down, with nothing under way?"""
+        for m in self.stack.group_members(u.name):
+            mu = self.units[m]
+            if m not in skip and (mu.op is not None or mu.state not in (S.INACTIVE, S.FAILED)):
+                return False
+        return True
+
     def _may_start(self, u: Unit, now: float) -> bool:
         if u.op is not None or u.goal is not Goal.ACTIVE or u.gave_up or self.shutting_down:
             return False
+        if u.spec.worker_group:
+            if u.book.up:
+                # The group's generation is open: a member that is down joins it at once.
+                return u.state in (S.INACTIVE, S.FAILED) and self._requirements_up(u)
+            # A new generation starts only once every member is down (none left blocked in a
+            # collective of the old one) and the group's backoff has passed.
+            if not self._group_settled(u) or self._group_down_for_good(u):
+                return False
+            if u.book.restart_pending and now < u.book.restart_at:
+                return False
+            if any(self.units[m].goal is not Goal.ACTIVE for m in self.stack.group_members(u.name)):
+                return False
+            return self._requirements_up(u)
         if u.state is S.FAILED:
             if not u.restart_pending or now < u.restart_at:
                 return False
         elif u.state is not S.INACTIVE:
             return False
+        return self._requirements_up(u)
+
+    def _requirements_up(self, u: Unit) -> bool:
         for r in u.spec.requires:
             ru = self.units[r]
             if ru.state is not S.ACTIVE or self._down(ru):
@@ -380,8 +444,23 @@ class Supervisor:
         for name in self.order:
             u = self.units[name]
             if self._may_start(u, now):
+                if u.spec.worker_group and not u.book.up:
+                    self._open_generation(u, now)
                 self._launch(u, "start", self._start(u))
         self._refresh_waiting_reasons()
+
+    def _open_generation(self, u: Unit, now: float) -> None:
+        """A worker group starts (again) as one: counted once against its start limit."""
+        book = u.book
+        self._count_start(u, now)
+        book.start_times.append(now)
+        book.generation += 1
+        book.up = True
+        book.down_reason = None
+        book.failure_counted = False
+        book.restart_pending = False
+        log.info("worker group starting", group=u.spec.worker_group, generation=book.generation,
+                 members=list(self.stack.group_members(u.name)))
 
     def _launch(self, u: Unit, kind: str, coro: Awaitable[None]) -> None:
         u.op_kind = kind
@@ -457,9 +536,25 @@ class Supervisor:
         base["PATH"] = pybin + os.pathsep + base.get("PATH", "/usr/local/bin:/usr/bin:/bin")
         env = u.spec.environ(base, self.notify_socket)
         env[DAEMON_TAG] = self.token  # proof of ownership for leftover cleanup
+        env.update(self._group_env(u))
         if u.spec.gpus and "CUDA_DEVICE_ORDER" not in u.spec.env:
             # NVML numbers GPUs in PCI order; make CUDA agree so gpus = [1] is the same card.
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        return env
+
+    def _group_env(self, u: Unit) -> dict[str, str]:
+        """OMNID_GENERATION for every unit; a worker group's rank and size; torch's env:// rendezvous."""
+        env = {"OMNID_GENERATION": str(u.book.generation)}
+        if not u.spec.worker_group:
+            return env
+        members = self.stack.group_members(u.name)
+        rank = members.index(u.name)
+        env.update(OMNID_WORKER_GROUP=u.spec.worker_group, OMNID_GROUP_RANK=str(rank),
+                   OMNID_GROUP_SIZE=str(len(members)))
+        td = u.spec.torch_distributed
+        if td is not None:
+            env.update(MASTER_ADDR=td.master_addr, MASTER_PORT=str(td.master_port), RANK=str(rank),
+                       WORLD_SIZE=str(len(members)), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(len(members)))
         return env
 
     def _count_start(self, u: Unit, now: float) -> int:
@@ -472,15 +567,21 @@ class Supervisor:
         spec = u.spec
         now = time.monotonic()
         automatic = u.state is S.FAILED
-        self._count_start(u, now)
-        u.start_times.append(now)
+        if not u.spec.worker_group:  # a group's start was counted when its generation opened
+            self._count_start(u, now)
+            u.start_times.append(now)
+            u.book.generation += 1
+            u.restart_pending = False
+        elif u.book.generation > 1:
+            automatic = True
         if automatic:
             u.restarts += 1
-        u.restart_pending = False
         u.ready_event = asyncio.Event()
         u.stopping_notified = False
         u.status_text = ""
         reason = f"restart {u.restarts} after: {u.last_exit}" if automatic else "starting"
+        if u.spec.worker_group and u.book.generation > 1:
+            reason = f"worker group {u.spec.worker_group} generation {u.book.generation}"
         # The unit becomes `starting` only once its process exists and its pidfd is
         # held (the invariant); a spawn that fails goes straight to `failed`.
         held = self._gpu_held_by_leftover(u)
@@ -718,11 +819,21 @@ class Supervisor:
         u.last_exit = what
         u.cause = _PID_SUFFIX.sub("", what)
         u.deaths += 1
+        if u.spec.worker_group and u.book.down_reason is None:
+            # Every other member is stopped now (converge): survivors of a dead rank would hang
+            # in their next collective, holding their GPUs.
+            u.book.down_reason = f"{u.name} failed: {what}"
+            u.book.up = False
+            self._kick()
 
     def _failure_reason(self, u: Unit, what: str) -> str:
         """Decide restart or give-up; returns the reason text for the FAILED state."""
         spec = u.spec
         now = time.monotonic()
+        if spec.worker_group:
+            if u.book.failure_counted:  # one failure of the group, seen again through another member
+                return f"{what} (worker group {spec.worker_group} already down: {u.book.down_reason})"
+            u.book.failure_counted = True
         if u.active_since and now - u.active_since >= spec.restart_max_sec:
             u.consecutive_failures = 0
         u.active_since = 0.0
@@ -865,7 +976,7 @@ class Supervisor:
             return True
         if u.state is S.FAILED:
             return not u.restart_pending
-        return u.state is S.INACTIVE and self._stuck(u)
+        return u.state is S.INACTIVE and (self._stuck(u) or self._group_down_for_good(u))
 
     async def _wait_request(self, claims: dict[str, int], done: Callable[[], bool], timeout: float | None) -> None:
         """Wait until done() or until another request overtakes this one (then Superseded)."""
@@ -885,13 +996,14 @@ class Supervisor:
                 continue
             closure.append(n)
             todo.extend(self.units[n].spec.requires)
+            todo.extend(self.stack.group_members(n))
         for n in closure:
             u = self.units[n]
             u.goal = Goal.ACTIVE
             u.gave_up = False
             u.start_times.clear()
             u.consecutive_failures = 0
-            if u.state is S.FAILED and u.op is None:
+            if (u.state is S.FAILED and u.op is None) or u.book.down_reason is not None:
                 u.restart_pending = True
                 u.restart_at = 0.0
         claims = self._claim(closure, "start")
@@ -905,7 +1017,8 @@ class Supervisor:
             ru = self.units[r]
             if ru.state is S.FAILED and not ru.restart_pending:
                 return True
-            if ru.state is S.INACTIVE and ru.op is None and (ru.goal is Goal.INACTIVE or self._stuck(ru)):
+            if ru.state is S.INACTIVE and ru.op is None and (ru.goal is Goal.INACTIVE or self._stuck(ru)
+                                                         or self._group_down_for_good(ru)):
                 return True
         return False
 
@@ -955,7 +1068,7 @@ class Supervisor:
 
     def kill_unit(self, name: str, sig: int) -> list[str]:
         out = []
-        for n in self.expand([name]):
+        for n in self.expand([name], whole_groups=False):
             u = self.units[n]
             if u.proc is not None and u.proc.signal_group(sig, self.token):
                 out.append(n)

@@ -32,14 +32,18 @@ DEFAULT_TITLE = "omnid: %n"
 
 # Set by omnid itself (DESIGN.md "The child's environment"); a unit that overrode
 # them would hide from residue scans or talk to the wrong notify socket.
-RESERVED_ENV = frozenset({"OMNID_UNIT", "OMNID_INSTANCE", "SPT_NOENV", "NOTIFY_SOCKET"})
+RESERVED_ENV = frozenset({"OMNID_UNIT", "OMNID_INSTANCE", "OMNID_INSTANCES", "OMNID_GENERATION", "SPT_NOENV",
+                          "NOTIFY_SOCKET"})
 
 # '@' separates a template from its instance number and '%' starts a specifier,
 # so neither may appear in a unit name; '/' would escape the directory.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _REFERENCE = re.compile(r"(?P<template>[A-Za-z0-9][A-Za-z0-9_.-]*)(?:@(?P<instance>[0-9]+))?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_SPECIFIER = re.compile(r"%[%in]")
+_SPECIFIER = re.compile(r"%[%inN]")
+
+# torch.distributed's env:// rendezvous (set by omnid for `torch_distributed` units).
+TORCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 # rlimit names as written in `limits` (nofile, memlock, ...) -> resource constants.
 RLIMITS: Mapping[str, int] = MappingProxyType(
@@ -122,6 +126,14 @@ class Rlimit(NamedTuple):
 
 
 @dataclass(frozen=True)
+class TorchDistributed:
+    """`torch_distributed`: where rank 0 of a worker group listens for torch's env:// rendezvous."""
+
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+
+@dataclass(frozen=True)
 class Unit:
     """One runnable unit instance, with every %i / %n already expanded.
 
@@ -154,6 +166,8 @@ class Unit:
     watchdog_sec: float = 0.0
     stop_signal: signal.Signals = signal.SIGTERM
     stop_timeout: float = 10.0
+    worker_group: str | None = None  # members fail, stop and restart together
+    torch_distributed: TorchDistributed | None = None
     kill_timeout: float = 10.0
     restart: RestartPolicy = RestartPolicy.NO
     restart_sec: float = 1.0
@@ -178,6 +192,7 @@ class Unit:
         env.update(self.env)
         env["OMNID_UNIT"] = self.name
         env["OMNID_INSTANCE"] = str(self.instance)
+        env["OMNID_INSTANCES"] = str(self.instances)
         env["SPT_NOENV"] = "1"  # setproctitle would otherwise wipe /proc/PID/environ (the OMNID_UNIT tag)
         if notify_socket is not None and self.ready.kind is ReadyKind.NOTIFY:
             env["NOTIFY_SOCKET"] = notify_socket
@@ -213,6 +228,13 @@ class Stack:
     _tiers: tuple[tuple[Unit, ...], ...] = field(repr=False)
     _tier_of: Mapping[str, int] = field(repr=False)
     _required_by: Mapping[str, tuple[str, ...]] = field(repr=False)
+    # worker_group name -> member unit names in rank order (template, then instance number).
+    groups: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+
+    def group_members(self, name: str) -> tuple[str, ...]:
+        """The members of `name`'s worker group (itself included), or just (name,)."""
+        group = self.units[name].worker_group
+        return self.groups[group] if group else (name,)
 
     def __iter__(self) -> Iterator[Unit]:
         return iter(self.units.values())
@@ -463,6 +485,13 @@ def parse_host_port(text: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
+def _group_name(value: Any) -> str:
+    if isinstance(value, str) and _NAME.fullmatch(value):
+        return value
+    raise _Invalid(f"expected a group name (a letter or digit, then letters, digits, '_', '.' or '-'), "
+                   f"got {_describe(value)}")
+
+
 def _http_url(value: Any) -> str:
     if isinstance(value, str):
         parts = urlsplit(value)
@@ -479,8 +508,11 @@ UNIT_KEYS = (
     "exec", "description", "role", "title", "instances", "after", "requires", "cwd", "env",
     "user", "group", "limits", "gpus", "ready", "ready_timeout", "liveness", "watchdog_sec",
     "stop_signal", "stop_timeout", "kill_timeout", "restart", "restart_sec", "restart_max_sec",
-    "start_limit_burst", "start_limit_interval", "gpu_min_free_mib",
+    "start_limit_burst", "start_limit_interval", "gpu_min_free_mib", "worker_group", "torch_distributed",
 )  # fmt: skip
+TORCH_DISTRIBUTED_KEYS = ("master_addr", "master_port")
+# The restart policy of a worker group is one policy: every member must declare the same.
+GROUP_POLICY_KEYS = ("restart", "restart_sec", "restart_max_sec", "start_limit_burst", "start_limit_interval")
 LIVENESS_KEYS = ("http", "interval", "timeout", "failures")
 SETTINGS_KEYS = ("control", "state_dir", "health_listen", "log_format")
 
@@ -552,8 +584,26 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
         "start_limit_burst": t.get("start_limit_burst", 5, _integer(1)),
         "start_limit_interval": t.get("start_limit_interval", 60.0, _seconds(zero_ok=False)),
         "gpu_min_free_mib": t.get("gpu_min_free_mib", 0, _integer(0)),
+        "worker_group": t.get("worker_group", None, _group_name),
+        "torch_distributed": None,
         "liveness": None,
     }
+    td = raw.get("torch_distributed", False)
+    if td is True or isinstance(td, dict):
+        tt = _Table(file, td if isinstance(td, dict) else {}, errors, prefix="torch_distributed.")
+        tt.check_keys(TORCH_DISTRIBUTED_KEYS)
+        v["torch_distributed"] = TorchDistributed(
+            master_addr=tt.get("master_addr", "127.0.0.1", _nonempty_string),
+            master_port=tt.get("master_port", 29500, _integer(1)),
+        )
+        if v["torch_distributed"].master_port > 65535:
+            tt.error("master_port", f"expected a port from 1 to 65535, got {v['torch_distributed'].master_port}")
+        if v["worker_group"] is None:
+            t.error("torch_distributed", "needs worker_group: ranks that do not fail and restart together hang "
+                    "in their next collective when one of them dies; expected e.g. worker_group = \"tp0\"")
+    elif td is not False:
+        t.error("torch_distributed", f"expected true, false or a table {{ master_addr = \"127.0.0.1\", "
+                f"master_port = 29500 }}, got {_describe(td)}")
     if "liveness" in raw:
         if isinstance(raw["liveness"], dict):
             lt = _Table(file, raw["liveness"], errors, prefix="liveness.")
@@ -615,9 +665,10 @@ def _parse_settings(file: Path, raw: Mapping[str, Any], directory: Path, errors:
 # --------------------------------------------------------------------------- expansion
 
 
-def _expand(text: str, name: str, instance: int) -> str:
-    # Only %i, %n and %% are specifiers; any other % stays as written (printf formats, dates).
-    return _SPECIFIER.sub(lambda m: {"%%": "%", "%i": str(instance), "%n": name}[m.group()], text)
+def _expand(text: str, name: str, instance: int, instances: int = 1) -> str:
+    # Only %i, %n, %N and %% are specifiers; any other % stays as written (printf formats, dates).
+    return _SPECIFIER.sub(
+        lambda m: {"%%": "%", "%i": str(instance), "%n": name, "%N": str(instances)}[m.group()], text)
 
 
 def _instance_names(template: _Template) -> list[tuple[str, int]]:
@@ -635,7 +686,7 @@ def _expand_unit(
     errors: list[UnitFileError],
 ) -> Unit:
     v = template.values
-    x: Callable[[str], str] = lambda s: _expand(s, name, instance)  # noqa: E731
+    x: Callable[[str], str] = lambda s: _expand(s, name, instance, template.instances)  # noqa: E731
     t = _Table(template.file, {}, errors)  # only for t.error(): values here are already typed
 
     env = {k: x(val) for k, val in v["env"].items()}
@@ -702,6 +753,8 @@ def _expand_unit(
         start_limit_burst=v["start_limit_burst"],
         start_limit_interval=v["start_limit_interval"],
         gpu_min_free_mib=v["gpu_min_free_mib"],
+        worker_group=v["worker_group"],
+        torch_distributed=v["torch_distributed"],
     )
 
 
@@ -807,6 +860,39 @@ def _tiers(
     return tuple(tiers), tier_of
 
 
+def _worker_groups(units: Mapping[str, Unit], errors: list[UnitFileError]) -> dict[str, tuple[str, ...]]:
+    """worker_group -> members in rank order; members must share one restart policy and must
+    not wait for each other (they start together: a rank that waits for a peer's readiness,
+    which needs the rank itself, would never start)."""
+    members: dict[str, list[Unit]] = {}
+    for unit in units.values():
+        if unit.worker_group:
+            members.setdefault(unit.worker_group, []).append(unit)
+    groups: dict[str, tuple[str, ...]] = {}
+    for group, found in sorted(members.items()):
+        found.sort(key=lambda u: (u.template, u.instance))
+        names = {u.name for u in found}
+        first = found[0]
+        for unit in found:
+            for dep in unit.dependencies:
+                if dep in names:
+                    errors.append(UnitFileError(unit.file, "worker_group", (
+                        f"{unit.name} waits for {dep} (after/requires), but both are in worker_group "
+                        f'"{group}", whose members start together; expected no dependency between members')))
+            for key in GROUP_POLICY_KEYS:
+                if getattr(unit, key) != getattr(first, key):
+                    errors.append(UnitFileError(unit.file, key, (
+                        f'worker_group "{group}" restarts as one: expected the same {key} as {first.name} '
+                        f"({first.file.name}: {getattr(first, key)}), got {getattr(unit, key)}")))
+            if (unit.torch_distributed is None) != (first.torch_distributed is None) or (
+                    unit.torch_distributed and unit.torch_distributed != first.torch_distributed):
+                errors.append(UnitFileError(unit.file, "torch_distributed", (
+                    f'worker_group "{group}" is one torch.distributed job or none: expected the same '
+                    f"torch_distributed as {first.name} ({first.file.name})")))
+        groups[group] = tuple(u.name for u in found)
+    return groups
+
+
 # --------------------------------------------------------------------------- entry points
 
 
@@ -863,6 +949,7 @@ def _load(directory: Path) -> tuple[Stack | None, tuple[UnitFileError, ...]]:
             edges[name] = {dep: key for key in ("after", "requires") for dep in declared[key]}
 
     tiers, tier_of = _tiers(units, edges, errors)
+    groups = _worker_groups(units, errors)
     required_by: dict[str, list[str]] = {n: [] for n in units}
     for unit in units.values():
         for dep in unit.requires:
@@ -881,6 +968,7 @@ def _load(directory: Path) -> tuple[Stack | None, tuple[UnitFileError, ...]]:
             _tiers=tiers,
             _tier_of=MappingProxyType(tier_of),
             _required_by=MappingProxyType({n: tuple(r) for n, r in required_by.items()}),
+            groups=MappingProxyType(groups),
         ),
         (),
     )

@@ -292,8 +292,8 @@ def test_child_environment_tags_the_unit_and_drops_the_daemons_notify_socket(tmp
     base = {"PATH": "/usr/bin", "NOTIFY_SOCKET": "/run/systemd/notify", "WATCHDOG_USEC": "1"}
     env = stack["worker@1"].environ(base, notify_socket="/run/omnid/notify")
     assert env == {
-        "PATH": "/usr/bin", "A": "1", "OMNID_UNIT": "worker@1", "OMNID_INSTANCE": "1", "SPT_NOENV": "1",
-        "NOTIFY_SOCKET": "/run/omnid/notify", "WATCHDOG_USEC": "3000000",
+        "PATH": "/usr/bin", "A": "1", "OMNID_UNIT": "worker@1", "OMNID_INSTANCE": "1", "OMNID_INSTANCES": "2",
+        "SPT_NOENV": "1", "NOTIFY_SOCKET": "/run/omnid/notify", "WATCHDOG_USEC": "3000000",
     }  # fmt: skip
     plain = stack["plain"].environ(base, notify_socket="/run/omnid/notify")
     assert "NOTIFY_SOCKET" not in plain and "WATCHDOG_USEC" not in plain

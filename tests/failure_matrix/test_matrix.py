@@ -155,6 +155,10 @@ def _worker_fault(stack_factory, row: str, sig: int, restart: str, load: bool) -
                      15, "serve and engine stopped")
             assert_dependents_stopped_in_order(d)
             wait_for(lambda: no_residue(victim_tree), 5, "no residue of the worker")
+            # The workers are one worker group: the other worker was stopped with it, not left running.
+            peer = d.wait_state("worker@1", "inactive", 15)
+            assert "worker group workers is down: worker@0 failed" in peer["reason"], peer
+            assert not alive(old["worker@1"])
             # Stable: still failed and 503 a while later.
             deadline = time.monotonic() + 2
             while time.monotonic() < deadline:
@@ -165,6 +169,8 @@ def _worker_fault(stack_factory, row: str, sig: int, restart: str, load: bool) -
             wait_for(lambda: d.http("/health")[0] == 200, 120, "the stack back to 200 by itself")
             new = stack_pids(d)
             assert new["worker@0"] != old["worker@0"] and d.unit("worker@0")["restarts"] >= 1
+            # The group restarted as one: worker@1 is a new process in a new generation.
+            assert new["worker@1"] != old["worker@1"] and d.unit("worker@1")["generation"] >= 2
             assert_dependents_stopped_in_order(d)
             assert no_residue(victim_tree)
         figures = {"failed_ms": round(ms, 1)}

@@ -26,7 +26,8 @@ import structlog
 
 from omnid import linux
 from omnid.invariants import Invariants
-from omnid.lifecycle import Event, Release, UnitView, step
+from omnid.lifecycle import Event, Release, StartMonitors, UnitView, step
+from omnid.lifecycle import Signal as LcSignal
 from omnid.monitors import Monitors
 from omnid.output import UnitOutput
 from omnid.probes import ProbeFailed, http_probe, tcp_probe
@@ -193,10 +194,11 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
 
     # -------------------------------------------------------------- transition
     def _transition(self, u: Unit, event: Event, reason: str, *, failing: bool = False,
-                    leftovers: bool = False) -> None:
+                    leftovers: bool = False) -> tuple:
         """The only place where a unit's state changes: lifecycle.step decides the new
-        state; the synchronous actions are carried out here, the timed ones (spawn,
-        signals, timers) by the op that fed the event in (_start, _stop, _fail_*)."""
+        state; the synchronous actions (Release, StartMonitors, Publish) are carried out
+        here and all actions are returned: the op that fed the event in carries out the
+        timed ones (the Signal with its ArmTimers is one `terminate` call)."""
         frm = u.state
         to, actions = step(UnitView(u.name, frm, u.goal, failing=failing, leftovers=leftovers), event)
         check_transition(u.name, frm, to)
@@ -210,6 +212,7 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
         for action in actions:
             if isinstance(action, Release):
                 self._release(u)
+        started_monitors = any(isinstance(a, StartMonitors) for a in actions)
         log.info("unit state", unit=u.name, **{"from": frm.value, "to": to.value}, on=event.value, reason=reason,
                  pid=pid)
         self.publish({"ts": time.time(), "unit": u.name, "pid": pid, "from": frm.value, "to": to.value,
@@ -220,6 +223,17 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
                 log.error("invariant violated", unit=u.name, problem=problem)
         self._notify_changed()
         self._kick()
+        if started_monitors:
+            self._start_monitors(u)
+        return actions
+
+    def _signal_of(self, u: Unit, actions: tuple) -> tuple[int, bool]:
+        """The first signal step asked for, as a number, and whether SIGCONT follows it."""
+        for a in actions:
+            if isinstance(a, LcSignal):
+                sig = u.spec.stop_signal if a.sig == "stop_signal" else int(getattr(signal, a.sig))
+                return sig, a.cont
+        raise RuntimeError(f"{u.name}: lifecycle step gave no signal to send: {actions}")
 
     def _notify_changed(self) -> None:
         """Wake every wait_until(); coalesced into one task per loop iteration."""
@@ -574,7 +588,6 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
         u.ready = True
         u.active_since = time.monotonic()
         self._transition(u, E.READY, "ready" if u.spec.ready.kind != "started" else "started")
-        self._start_monitors(u)
 
     # -------------------------------------------------------------- death path
     def _on_pidfd(self, u: Unit, h: ProcessHandle) -> None:
@@ -648,8 +661,10 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
         if leftovers:
             # A half-dead unit never lingers: SIGKILL its group and escaped orphans now
             # (the same policy as a stop, with SIGKILL first).
-            self._transition(u, E.EXITED, f"{what}; killing {len(leftovers)} leftover process(es)", leftovers=True)
-            rec = await terminate(target, signal.SIGKILL, u.spec.kill_timeout, 0.0, send_cont=False)
+            actions = self._transition(u, E.EXITED, f"{what}; killing {len(leftovers)} leftover process(es)",
+                                       leftovers=True)
+            sig, cont = self._signal_of(u, actions)
+            rec = await terminate(target, sig, u.spec.kill_timeout, 0.0, send_cont=cont)
             if rec.unkillable:
                 log.error("unkillable processes after failure", unit=u.name, survivors=rec.unkillable)
         u.death_detect_ms = (time.monotonic() - t_wake) * 1000
@@ -660,9 +675,9 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
         h = u.proc
         assert h is not None
         self._record_failure(u, what)
-        self._transition(u, event, what)
-        # A hung unit gets no SIGCONT: SIGKILL at stop_timeout if it does not exit.
-        rec = await self._terminate(u, h, u.spec.stop_signal, send_cont=False)
+        # A hung unit gets no SIGCONT (step says so): SIGKILL at stop_timeout if it does not exit.
+        sig, cont = self._signal_of(u, self._transition(u, event, what))
+        rec = await self._terminate(u, h, sig, send_cont=cont)
         if h.exit_status is not None:
             code, sig, _ = linux.describe_wait_status(h.exit_status)
             u.last_exit_code, u.last_signal = code, sig
@@ -682,8 +697,9 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
         h = u.proc
         assert h is not None  # starting and active units always hold their process
         was = u.state.value
-        self._transition(u, E.DEPENDENCY_DOWN if why.startswith("stopped: requires") else E.STOP_REQUESTED, why)
-        rec = await self._terminate(u, h, u.spec.stop_signal, send_cont=True, orphans=orphans)
+        event = E.DEPENDENCY_DOWN if why.startswith("stopped: requires") else E.STOP_REQUESTED
+        sig, cont = self._signal_of(u, self._transition(u, event, why))
+        rec = await self._terminate(u, h, sig, send_cont=cont, orphans=orphans)
         rec.was = was
         u.last_stop = rec
         if h.exit_status is not None:

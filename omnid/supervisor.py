@@ -15,7 +15,6 @@ import asyncio
 import collections
 import os
 import re
-import select
 import signal
 import sys
 import time
@@ -26,15 +25,17 @@ from pathlib import Path
 import structlog
 
 from omnid import linux
-from omnid.control import ControlError
-from omnid.lifecycle import Event, Release, UnitView, step
+from omnid.invariants import Invariants
+from omnid.lifecycle import Event, Release, StartMonitors, UnitView, step
+from omnid.lifecycle import Signal as LcSignal
+from omnid.monitors import Monitors
 from omnid.output import UnitOutput
 from omnid.probes import ProbeFailed, http_probe, tcp_probe
-from omnid.process import DAEMON_TAG, UNIT_TAG, ProcessHandle, group_alive
+from omnid.process import DAEMON_TAG, UNIT_TAG, ProcessHandle
 from omnid.termination import ProcessGroupTarget, StopRecord, terminate
 from omnid.spawnclient import ExitReport, SpawnError, SpawnerClient, SpawnRequest
 from omnid.states import Goal, UnitState, check_transition
-from omnid.tasks import unit_task
+from omnid.requests import OperatorRequests, Superseded  # noqa: F401 - Superseded is public here too
 from omnid.units import Stack
 from omnid.units import Unit as UnitSpec
 
@@ -49,15 +50,6 @@ GROUP_POLL_S = 0.005
 
 class UnitNotFound(KeyError):
     pass
-
-
-class Superseded(ControlError):
-    """An operator request overtaken by another one on the same unit: it is answered
-    with this error at once instead of waiting for a state that will not come."""
-
-    def __init__(self, by: str, units: list[str]) -> None:
-        super().__init__("superseded", f"superseded: {by} requested by another client "
-                                       f"(unit{'s' if len(units) > 1 else ''} {', '.join(units)})")
 
 
 _PID_SUFFIX = re.compile(r" \(pid \d+, while \w+\)")
@@ -159,13 +151,10 @@ class Unit:
         }
 
 
-def _pidfd_readable(pidfd: int) -> bool:
-    p = select.poll()
-    p.register(pidfd, select.POLLIN)
-    return bool(p.poll(0))
+class Supervisor(OperatorRequests, Monitors, Invariants):
+    """Units' state and the ops that change it; operator requests, monitors and the
+    invariant check are mixed in from omnid.requests, omnid.monitors, omnid.invariants."""
 
-
-class Supervisor:
     def __init__(
         self,
         stack: Stack,
@@ -234,10 +223,11 @@ class Supervisor:
 
     # -------------------------------------------------------------- transition
     def _transition(self, u: Unit, event: Event, reason: str, *, failing: bool = False,
-                    leftovers: bool = False) -> None:
+                    leftovers: bool = False) -> tuple:
         """The only place where a unit's state changes: lifecycle.step decides the new
-        state; the synchronous actions are carried out here, the timed ones (spawn,
-        signals, timers) by the op that fed the event in (_start, _stop, _fail_*)."""
+        state; the synchronous actions (Release, StartMonitors, Publish) are carried out
+        here and all actions are returned: the op that fed the event in carries out the
+        timed ones (the Signal with its ArmTimers is one `terminate` call)."""
         frm = u.state
         to, actions = step(UnitView(u.name, frm, u.goal, failing=failing, leftovers=leftovers), event)
         check_transition(u.name, frm, to)
@@ -254,6 +244,7 @@ class Supervisor:
         if to in (S.INACTIVE, S.FAILED) and u.spec.worker_group and u.book.up \
                 and self._group_settled(u, frozenset({u.name})):
             u.book.up = False  # every member is down: the next start is a new generation
+        started_monitors = any(isinstance(a, StartMonitors) for a in actions)
         log.info("unit state", unit=u.name, **{"from": frm.value, "to": to.value}, on=event.value, reason=reason,
                  pid=pid)
         self.publish({"ts": time.time(), "unit": u.name, "pid": pid, "from": frm.value, "to": to.value,
@@ -264,6 +255,17 @@ class Supervisor:
                 log.error("invariant violated", unit=u.name, problem=problem)
         self._notify_changed()
         self._kick()
+        if started_monitors:
+            self._start_monitors(u)
+        return actions
+
+    def _signal_of(self, u: Unit, actions: tuple) -> tuple[int, bool]:
+        """The first signal step asked for, as a number, and whether SIGCONT follows it."""
+        for a in actions:
+            if isinstance(a, LcSignal):
+                sig = u.spec.stop_signal if a.sig == "stop_signal" else int(getattr(signal, a.sig))
+                return sig, a.cont
+        raise RuntimeError(f"{u.name}: lifecycle step gave no signal to send: {actions}")
 
     def _notify_changed(self) -> None:
         """Wake every wait_until(); coalesced into one task per loop iteration."""
@@ -687,109 +689,6 @@ class Supervisor:
         u.ready = True
         u.active_since = time.monotonic()
         self._transition(u, E.READY, "ready" if u.spec.ready.kind != "started" else "started")
-        self._start_monitors(u)
-
-    # ---------------------------------------------------------------- monitors
-    def _start_monitors(self, u: Unit) -> None:
-        if u.spec.watchdog_sec > 0 and u.spec.ready.kind == "notify":
-            u.watchdog_last = time.monotonic()
-            self._arm_watchdog(u)
-        if u.spec.liveness is not None:
-            u.monitor = unit_task(self._liveness(u), unit=u.name, kind="liveness",
-                                  on_crash=lambda exc: self._monitor_crashed(u, exc))
-
-    def _stop_monitors(self, u: Unit) -> None:
-        if u.watchdog_timer is not None:
-            u.watchdog_timer.cancel()
-            u.watchdog_timer = None
-        if u.monitor is not None and u.monitor is not asyncio.current_task():
-            u.monitor.cancel()
-        u.monitor = None
-
-    def _arm_watchdog(self, u: Unit) -> None:
-        if u.watchdog_timer is not None:
-            u.watchdog_timer.cancel()
-        loop = asyncio.get_running_loop()
-        # call_at runs on the loop's monotonic clock.
-        deadline = loop.time() + u.spec.watchdog_sec
-        u.watchdog_timer = loop.call_at(deadline, self._watchdog_expired, u)
-
-    def _watchdog_expired(self, u: Unit) -> None:
-        u.watchdog_timer = None
-        if u.state is S.ACTIVE and u.op is None:
-            silent = time.monotonic() - u.watchdog_last
-            self._launch(u, "fail", self._fail_alive(u, f"watchdog: no ping for {silent:.1f} s", E.WATCHDOG_EXPIRED))
-
-    async def _liveness(self, u: Unit) -> None:
-        probe = u.spec.liveness
-        assert probe is not None
-        failures = 0
-        while u.state is S.ACTIVE:
-            await asyncio.sleep(probe.interval)
-            try:
-                await http_probe(probe.url, probe.timeout)
-                failures = 0
-                continue
-            except ProbeFailed as exc:
-                why = str(exc)
-            except Exception as exc:  # noqa: BLE001 - any probe error is a failed probe, never a dead monitor
-                why = f"GET {probe.url}: {type(exc).__name__}: {exc}"
-            failures += 1
-            log.warning("liveness probe failed", unit=u.name, error=why, count=failures, of=probe.failures)
-            if failures >= probe.failures and u.state is S.ACTIVE and u.op is None:
-                u.monitor = None
-                self._launch(u, "fail", self._fail_alive(u, f"liveness: {why} ({failures}/{probe.failures})", E.LIVENESS_FAILED))
-                return
-
-    def _monitor_crashed(self, u: Unit, exc: BaseException) -> None:
-        """A monitor task died of a bug: the unit is no longer watched, so it fails."""
-        u.monitor = None
-        if u.state is S.ACTIVE and u.op is None:
-            self._launch(u, "fail", self._fail_alive(u, f"internal error in liveness monitor: "
-                                                         f"{type(exc).__name__}: {exc}", E.INTERNAL_ERROR))
-
-    # ------------------------------------------------------------------ notify
-    def on_notify(self, sender_pid: int, fields: dict[str, str]) -> str | None:
-        """sd_notify message from sender_pid; returns the unit it was attributed to."""
-        st = linux.read_stat(sender_pid)
-        u = None
-        if st is not None:
-            for cand in self.units.values():
-                if cand.proc is not None and cand.proc.pgid in (st.pgid, st.sid):
-                    u = cand
-                    break
-        if u is None and st is not None:
-            # A unit can say READY=1 before the spawner's reply with its pid has been
-            # read: hold the message for a unit of ours whose spawn is in flight.
-            tag = linux.read_environ_var(sender_pid, UNIT_TAG)
-            pending = self.units.get(tag) if tag else None
-            if pending is not None and pending.proc is None and pending.op_kind == "start" \
-                    and linux.read_environ_var(sender_pid, DAEMON_TAG) == self.token:
-                self._early_notify.setdefault(st.sid, []).append(fields)
-                return pending.name
-        if u is None:
-            log.warning("notify message from a pid in no unit's process group; ignored",
-                        pid=sender_pid, fields=sorted(fields))
-            return None
-        self._apply_notify(u, fields)
-        return u.name
-
-    def _apply_notify(self, u: Unit, fields: dict[str, str]) -> None:
-        if "MAINPID" in fields and fields["MAINPID"] != str(u.proc.pid if u.proc else ""):
-            log.warning("notify MAINPID ignored: omnid tracks the process it spawned", unit=u.name,
-                        mainpid=fields["MAINPID"])
-        if "STATUS" in fields:
-            u.status_text = fields["STATUS"]
-        if fields.get("READY") == "1":
-            u.ready_event.set()
-        if fields.get("STOPPING") == "1":
-            u.stopping_notified = True
-        if fields.get("WATCHDOG") == "1":
-            u.watchdog_last = time.monotonic()
-            if u.watchdog_timer is not None:
-                self._arm_watchdog(u)
-        elif fields.get("WATCHDOG") == "trigger" and u.state is S.ACTIVE and u.op is None:
-            self._launch(u, "fail", self._fail_alive(u, "watchdog: unit asked to be killed (WATCHDOG=trigger)", E.WATCHDOG_EXPIRED))
 
     # -------------------------------------------------------------- death path
     def _on_pidfd(self, u: Unit, h: ProcessHandle) -> None:
@@ -873,8 +772,10 @@ class Supervisor:
         if leftovers:
             # A half-dead unit never lingers: SIGKILL its group and escaped orphans now
             # (the same policy as a stop, with SIGKILL first).
-            self._transition(u, E.EXITED, f"{what}; killing {len(leftovers)} leftover process(es)", leftovers=True)
-            rec = await terminate(target, signal.SIGKILL, u.spec.kill_timeout, 0.0, send_cont=False)
+            actions = self._transition(u, E.EXITED, f"{what}; killing {len(leftovers)} leftover process(es)",
+                                       leftovers=True)
+            sig, cont = self._signal_of(u, actions)
+            rec = await terminate(target, sig, u.spec.kill_timeout, 0.0, send_cont=cont)
             if rec.unkillable:
                 log.error("unkillable processes after failure", unit=u.name, survivors=rec.unkillable)
         u.death_detect_ms = (time.monotonic() - t_wake) * 1000
@@ -885,9 +786,9 @@ class Supervisor:
         h = u.proc
         assert h is not None
         self._record_failure(u, what)
-        self._transition(u, event, what)
-        # A hung unit gets no SIGCONT: SIGKILL at stop_timeout if it does not exit.
-        rec = await self._terminate(u, h, u.spec.stop_signal, send_cont=False)
+        # A hung unit gets no SIGCONT (step says so): SIGKILL at stop_timeout if it does not exit.
+        sig, cont = self._signal_of(u, self._transition(u, event, what))
+        rec = await self._terminate(u, h, sig, send_cont=cont)
         if h.exit_status is not None:
             code, sig, _ = linux.describe_wait_status(h.exit_status)
             u.last_exit_code, u.last_signal = code, sig
@@ -907,8 +808,9 @@ class Supervisor:
         h = u.proc
         assert h is not None  # starting and active units always hold their process
         was = u.state.value
-        self._transition(u, E.DEPENDENCY_DOWN if why.startswith("stopped: requires") else E.STOP_REQUESTED, why)
-        rec = await self._terminate(u, h, u.spec.stop_signal, send_cont=True, orphans=orphans)
+        event = E.DEPENDENCY_DOWN if why.startswith("stopped: requires") else E.STOP_REQUESTED
+        sig, cont = self._signal_of(u, self._transition(u, event, why))
+        rec = await self._terminate(u, h, sig, send_cont=cont, orphans=orphans)
         rec.was = was
         u.last_stop = rec
         if h.exit_status is not None:
@@ -949,187 +851,9 @@ class Supervisor:
             log.warning("gpu release check failed", error=str(exc))
             return None
 
-    # --------------------------------------------------------------- operators
-    def _claim(self, names: Iterable[str], by: str) -> dict[str, int]:
-        """Record an operator request on these units; returns what its waiter checks."""
-        out = {}
-        for n in names:
-            u = self.units[n]
-            u.goal_seq += 1
-            u.goal_by = by
-            out[n] = u.goal_seq
-        self._notify_changed()  # a waiting request on these units may be overtaken now
-        return out
-
-    def _overtaken(self, claims: dict[str, int]) -> tuple[str, list[str]] | None:
-        """(what overtook, which units) if another request changed these units' goal."""
-        hit = [n for n, seq in claims.items() if self.units[n].goal_seq != seq]
-        if not hit:
-            return None
-        return self.units[hit[0]].goal_by, hit
-
-    def _settled_up(self, u: Unit) -> bool:
-        """A unit a start waits for is done: active, or failed/inactive for good."""
-        if u.op is not None:
-            return False
-        if u.state is S.ACTIVE:
-            return True
-        if u.state is S.FAILED:
-            return not u.restart_pending
-        return u.state is S.INACTIVE and (self._stuck(u) or self._group_down_for_good(u))
-
-    async def _wait_request(self, claims: dict[str, int], done: Callable[[], bool], timeout: float | None) -> None:
-        """Wait until done() or until another request overtakes this one (then Superseded)."""
-        await self.wait_until(lambda: done() or self._overtaken(claims) is not None, timeout)
-        over = self._overtaken(claims)
-        if over is not None and not done():
-            raise Superseded(*over)
-
-    async def start_units(self, names: list[str] | None, timeout: float | None = None) -> list[dict]:
-        """Operator start: the named units (all when None) and everything they require."""
-        targets = self.expand(names) if names else list(self.order)
-        closure: list[str] = []
-        todo = list(targets)
-        while todo:
-            n = todo.pop()
-            if n in closure:
-                continue
-            closure.append(n)
-            todo.extend(self.units[n].spec.requires)
-            todo.extend(self.stack.group_members(n))
-        for n in closure:
-            u = self.units[n]
-            u.goal = Goal.ACTIVE
-            u.gave_up = False
-            u.start_times.clear()
-            u.consecutive_failures = 0
-            if (u.state is S.FAILED and u.op is None) or u.book.down_reason is not None:
-                u.restart_pending = True
-                u.restart_at = 0.0
-        claims = self._claim(closure, "start")
-        self._kick()
-        await self._wait_request(claims, lambda: all(self._settled_up(self.units[n]) for n in targets), timeout)
-        return [self.units[n].snapshot() for n in targets]
-
-    def _stuck(self, u: Unit) -> bool:
-        """An inactive unit that will not start without an operator (a requirement gave up)."""
-        for r in u.spec.requires:
-            ru = self.units[r]
-            if ru.state is S.FAILED and not ru.restart_pending:
-                return True
-            if ru.state is S.INACTIVE and ru.op is None and (ru.goal is Goal.INACTIVE or self._stuck(ru)
-                                                         or self._group_down_for_good(ru)):
-                return True
-        return False
-
-    async def stop_units(self, names: list[str] | None, timeout: float | None = None) -> list[StopRecord]:
-        targets = self.expand(names) if names else list(self.order)
-        closure = set(targets)
-        if names:  # the whole stack needs no dependents walk (O(n^2) at 256 units)
-            for n in targets:
-                closure.update(d.name for d in self.stack.dependents(n))
-        before = {n: self.units[n].last_stop for n in self.order}
-        for n in targets:
-            u = self.units[n]
-            u.goal = Goal.INACTIVE
-            u.restart_pending = False
-            if u.state is S.FAILED and u.op is None:
-                self._transition(u, E.STOP_REQUESTED, f"stopped by request (was failed: {u.reason})")
-        claims = self._claim(targets, "stop")
-        self._kick()
-
-        def done() -> bool:
-            return all(self.units[n].op is None and self.units[n].state in (S.INACTIVE, S.FAILED)
-                       for n in closure)
-
-        await self._wait_request(claims, done, timeout)
-        stop_order = list(reversed(self.order))
-        recs = [self.units[n].last_stop for n in stop_order
-                if self.units[n].last_stop is not None and self.units[n].last_stop is not before[n]]
-        return recs  # type: ignore[return-value]
-
-    async def restart_units(self, names: list[str], timeout: float | None = None) -> list[dict]:
-        """Stop the named units (and what requires them), start them again, and wait until
-        everything this took down is back too; returns all of them (the caller sees which
-        did not come back by their state and reason)."""
-        targets = self.expand(names)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        dependents = [d.name for n in targets for d in self.stack.dependents(n)]
-        took_down = [n for n in dict.fromkeys(dependents) if n not in targets
-                     and self.units[n].goal is Goal.ACTIVE and self.units[n].state in (S.STARTING, S.ACTIVE)]
-        await self.stop_units(targets, timeout)
-        left = None if deadline is None else max(0.1, deadline - time.monotonic())
-        await self.start_units(targets, left)
-        back = [*targets, *(n for n in self.order if n in took_down)]
-        claims = {n: self.units[n].goal_seq for n in back}
-        left = None if deadline is None else max(0.1, deadline - time.monotonic())
-        await self._wait_request(claims, lambda: all(self._settled_up(self.units[n]) for n in back), left)
-        return [self.units[n].snapshot() for n in back]
-
-    def kill_unit(self, name: str, sig: int) -> list[str]:
-        out = []
-        for n in self.expand([name], whole_groups=False):
-            u = self.units[n]
-            if u.proc is not None and u.proc.signal_group(sig, self.token):
-                out.append(n)
-        return out
-
-    async def shutdown(self, timeout: float | None = None) -> list[StopRecord]:
-        self.shutting_down = True
-        return await self.stop_units(None, timeout)
-
     def on_spawner_gone(self) -> None:
         """Every unit died with the spawner (PDEATHSIG); realign state with that."""
         for u in self.units.values():
             if u.proc is not None:
                 u.proc.exited.set()
                 u.proc.reaped.set()
-
-    # ------------------------------------------------------------------ verify
-    def verify_unit(self, u: Unit, settled: bool = False) -> list[str]:
-        """Compare a unit's state with /proc (DESIGN.md's invariant)."""
-        problems = []
-        h = u.proc
-        st = u.state
-        if st in (S.STARTING, S.ACTIVE):
-            if h is None or h.pidfd < 0:
-                problems.append(f"{u.name}: {st.value} without a held pidfd")
-            else:
-                ps = linux.read_stat(h.pid)
-                alive = ps is not None and ps.start_time == h.start_time and ps.state not in ("Z", "X")
-                # A dead main process is consistent only while its death is already on its
-                # way to the loop (pidfd readable, or the exit report in): realigned in ms.
-                if not alive and settled and not (h.exited.is_set() or h.reaped.is_set()
-                                                  or _pidfd_readable(h.pidfd)):
-                    problems.append(f"{u.name}: {st.value} but main process {h.pid} is not alive")
-        elif st is S.STOPPING:
-            pass  # the stop op is in charge; anything may be alive or just gone
-        else:
-            if h is not None:
-                problems.append(f"{u.name}: {st.value} but still holds process {h.pid}")
-            if u.output is not None and u.output.attached:
-                problems.append(f"{u.name}: {st.value} but its output pipe is open")
-            if group_alive(u.last_pgid):
-                problems.append(f"{u.name}: {st.value} but process group {u.last_pgid} is not empty")
-        return problems
-
-    def verify(self) -> list[str]:
-        problems: list[str] = []
-        for u in self.units.values():
-            if u.op is None:
-                problems.extend(self.verify_unit(u, settled=True))
-        return problems
-
-    def snapshot(self) -> list[dict]:
-        out = []
-        for n in self.order:
-            snap = self.units[n].snapshot()
-            if n in self.gpu_mib:
-                snap["gpu_mib"] = self.gpu_mib[n]
-            if n in self.degraded:
-                snap["degraded"] = self.degraded[n]
-            out.append(snap)
-        return out
-
-    def idle(self) -> bool:
-        return all(u.op is None for u in self.units.values())

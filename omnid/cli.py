@@ -175,7 +175,8 @@ def cmd_start(a: argparse.Namespace) -> int:
         control = cfg.control
         if os.path.exists(control) and socket_is_live(control):
             running = Client(control).call("status", {}, timeout=10)["daemon"]["units_dir"]
-            if os.path.abspath(running) != cfg.units_dir:
+            # Without -u, `omnid start` means "the running stack, whatever it is".
+            if a.units and os.path.realpath(running) != os.path.realpath(cfg.units_dir):
                 raise CliError(f"the daemon at {control} runs the stack in {running}, not {cfg.units_dir}; "
                                f"stop it first (omnid stop) or give the new stack its own --control",
                                EXIT_USAGE)

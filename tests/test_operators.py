@@ -124,6 +124,8 @@ def test_start_with_another_stack_while_a_daemon_runs_is_exit_2_naming_both(tmp_
     assert r.returncode == 2, r.stdout + r.stderr
     assert str(first) in r.stderr and str(other) in r.stderr, r.stderr
     assert "ready" not in r.stdout
+    r = cli("start", "--timeout", "30")  # no -u: the running stack, whatever it is
+    assert r.returncode == 0 and "ready in" in r.stdout, r.stdout + r.stderr
 
 
 def test_start_progress_starts_from_a_snapshot_and_misses_no_unit(tmp_path, cli):

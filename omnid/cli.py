@@ -106,7 +106,7 @@ def _rotate(logfile: Path) -> None:
         pass
 
 
-def _launch_daemon(a: argparse.Namespace, cfg) -> tuple[subprocess.Popen, Path, int]:
+def _launch_daemon(a: argparse.Namespace, cfg, t0: float) -> tuple[subprocess.Popen, Path, int]:
     """Start `omnid daemon` in the background with only the flags the operator gave
     (it resolves the rest from the same environment and omnid.toml as cfg did)."""
     logfile = Path(cfg.state_dir) / "daemon.log"
@@ -130,6 +130,7 @@ def _launch_daemon(a: argparse.Namespace, cfg) -> tuple[subprocess.Popen, Path, 
     finally:
         os.close(fd)
     print(f"omnid: daemon started (pid {proc.pid}), units {cfg.units_dir}, log {logfile}", flush=True)
+    print(f"  [{time.monotonic() - t0:6.2f}s] daemon: starting (pid {proc.pid})", flush=True)
     from omnid.control import socket_is_live
 
     deadline = time.monotonic() + 30
@@ -181,7 +182,7 @@ def cmd_start(a: argparse.Namespace) -> int:
                                f"stop it first (omnid stop) or give the new stack its own --control",
                                EXIT_USAGE)
         else:
-            launched, logfile, offset = _launch_daemon(a, cfg)
+            launched, logfile, offset = _launch_daemon(a, cfg, t0)
     client = Client(control)
     # Subscribe first, then take a snapshot, then follow: no change falls in between.
     sub = subscribe(control)

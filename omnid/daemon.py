@@ -160,6 +160,11 @@ class Daemon:
         self._known(names)
         wanted = set(self.sup.expand(names)) if names else None
         units = [s for s in self.sup.snapshot() if wanted is None or s["name"] in wanted]
+        for snap in units:  # operators (#12): what a flooding unit cost, as in /metrics
+            out_ = self.sup.units[snap["name"]].output
+            if out_ is not None:
+                snap["log"] = {"lines": out_.lines_total, "not_echoed": out_.echo_dropped,
+                               "truncated": out_.lines_truncated, "read_pauses": out_.read_pauses}
         out: dict = {"units": units, "daemon": {"pid": os.getpid(), "spawner_pid": self.spawner.pid,
                                                "units_dir": self.cfg.units_dir, "since": self.sup.started_at,
                                                "shutting_down": self.sup.shutting_down}}

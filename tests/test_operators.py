@@ -288,6 +288,11 @@ def test_a_child_flooding_stdout_neither_stalls_health_nor_grows_the_daemon(tmp_
     assert rss1 - rss0 < 64 << 20, (rss0, rss1)
     assert dropped and float(dropped[0].split()[-1]) > 0, dropped
     assert truncated and float(truncated[0].split()[-1]) > 0, truncated
+    st = {u["name"]: u for u in d.ok("status")["units"]}
+    assert st["lines"]["log"]["not_echoed"] > 0 and st["chunks"]["log"]["truncated"] > 0, st
+    r = subprocess.run([PY, "-m", "omnid", "--control", d.control, "status", "lines"], capture_output=True,
+                       text=True, timeout=30, cwd=str(REPO), env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert "not echoed (rate limit)" in r.stdout, r.stdout + r.stderr
     tail = d.ok("logs", {"unit": "chunks", "n": 3})["chunks"]
     assert all(len(i["line"]) <= 16 * 1024 for i in tail)
 

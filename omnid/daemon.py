@@ -359,6 +359,7 @@ class Daemon:
             self.sup._kick()
             self._health_task = loop.create_task(self._start_health(health_sock))
             startup_task = loop.create_task(self._watch_startup())
+            startup_task.add_done_callback(self._report_task)
         await self.shutdown_requested.wait()
         self.service.send("STOPPING=1", "STATUS=stopping the stack")
         log.info("stopping the stack")
@@ -368,8 +369,8 @@ class Daemon:
                 await startup_task
             except asyncio.CancelledError:
                 pass
-            except Exception as exc:  # noqa: BLE001 - reported, never silent
-                log.error("start-up watch failed", error=str(exc))
+            except Exception:  # noqa: BLE001 - already logged by _report_task
+                pass
         t0 = time.monotonic()
         recs = await self.sup.shutdown()
         self.shutdown_result.set_result(recs)
@@ -463,6 +464,12 @@ class Daemon:
             self.sup.degraded = degraded
             self.sup.gpu_mib = usage
             await asyncio.sleep(interval)
+
+    @staticmethod
+    def _report_task(task: asyncio.Task) -> None:
+        """No task whose exception nobody sees: log it the moment it ends badly."""
+        if not task.cancelled() and task.exception() is not None:
+            log.error("daemon task failed", task=task.get_coro().__qualname__, error=repr(task.exception()))
 
     def _on_signal(self, sig: int) -> None:
         assert self.shutdown_requested is not None

@@ -28,7 +28,7 @@ from omnid import linux, logconfig, settings
 from omnid.control import ControlError, ControlServer, prepare_socket_dir
 from omnid.metrics import DaemonMetrics
 from omnid.notify import NotifyServer
-from omnid.sdnotify_out import ServiceNotifier
+from omnid.systemd import ServiceNotifier
 from omnid.spawnclient import SpawnerClient, SpawnerGone
 from omnid.states import UnitState as S
 from omnid.statefile import StateFile, find_leftovers, kill_leftovers

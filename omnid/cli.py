@@ -236,6 +236,9 @@ def cmd_start(a: argparse.Namespace) -> int:
         raise CliError(reply["error"]["message"], EXIT_USAGE if reply["error"]["code"] == "unknown_unit" else 1)
     result = reply["result"]
     units = result["units"]
+    # The reply's states are final: a change whose event was lost still gets its line.
+    for u in units:
+        _progress(t0, u["name"], u["state"], u.get("reason"), shown)
     print()
     print_units(units)
     if not result["ok"]:

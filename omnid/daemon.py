@@ -24,7 +24,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from omnid import linux, logconfig, settings
+from omnid import linux, logconfig, output, settings
 from omnid.control import ControlError, ControlServer, prepare_socket_dir
 from omnid.metrics import DaemonMetrics
 from omnid.notify import NotifyServer
@@ -160,11 +160,7 @@ class Daemon:
         self._known(names)
         wanted = set(self.sup.expand(names)) if names else None
         units = [s for s in self.sup.snapshot() if wanted is None or s["name"] in wanted]
-        for snap in units:  # operators (#12): what a flooding unit cost, as in /metrics
-            out_ = self.sup.units[snap["name"]].output
-            if out_ is not None:
-                snap["log"] = {"lines": out_.lines_total, "not_echoed": out_.echo_dropped,
-                               "truncated": out_.lines_truncated, "read_pauses": out_.read_pauses}
+        output.add_counters(units, self.sup.units)  # operators (#12): what a flooding unit cost
         out: dict = {"units": units, "daemon": {"pid": os.getpid(), "spawner_pid": self.spawner.pid,
                                                "units_dir": self.cfg.units_dir, "since": self.sup.started_at,
                                                "shutting_down": self.sup.shutting_down}}

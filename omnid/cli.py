@@ -106,7 +106,7 @@ def _rotate(logfile: Path) -> None:
         pass
 
 
-def _launch_daemon(a: argparse.Namespace, cfg) -> tuple[subprocess.Popen, Path, int]:
+def _launch_daemon(a: argparse.Namespace, cfg, t0: float) -> tuple[subprocess.Popen, Path, int]:
     """Start `omnid daemon` in the background with only the flags the operator gave
     (it resolves the rest from the same environment and omnid.toml as cfg did)."""
     logfile = Path(cfg.state_dir) / "daemon.log"
@@ -130,6 +130,7 @@ def _launch_daemon(a: argparse.Namespace, cfg) -> tuple[subprocess.Popen, Path, 
     finally:
         os.close(fd)
     print(f"omnid: daemon started (pid {proc.pid}), units {cfg.units_dir}, log {logfile}", flush=True)
+    print(f"  [{time.monotonic() - t0:6.2f}s] daemon: starting (pid {proc.pid})", flush=True)
     from omnid.control import socket_is_live
 
     deadline = time.monotonic() + 30
@@ -175,12 +176,13 @@ def cmd_start(a: argparse.Namespace) -> int:
         control = cfg.control
         if os.path.exists(control) and socket_is_live(control):
             running = Client(control).call("status", {}, timeout=10)["daemon"]["units_dir"]
-            if os.path.abspath(running) != cfg.units_dir:
+            # Without -u, `omnid start` means "the running stack, whatever it is".
+            if a.units and os.path.realpath(running) != os.path.realpath(cfg.units_dir):
                 raise CliError(f"the daemon at {control} runs the stack in {running}, not {cfg.units_dir}; "
                                f"stop it first (omnid stop) or give the new stack its own --control",
                                EXIT_USAGE)
         else:
-            launched, logfile, offset = _launch_daemon(a, cfg)
+            launched, logfile, offset = _launch_daemon(a, cfg, t0)
     client = Client(control)
     # Subscribe first, then take a snapshot, then follow: no change falls in between.
     sub = subscribe(control)
@@ -234,6 +236,9 @@ def cmd_start(a: argparse.Namespace) -> int:
         raise CliError(reply["error"]["message"], EXIT_USAGE if reply["error"]["code"] == "unknown_unit" else 1)
     result = reply["result"]
     units = result["units"]
+    # The reply's states are final: a change whose event was lost still gets its line.
+    for u in units:
+        _progress(t0, u["name"], u["state"], u.get("reason"), shown)
     print()
     print_units(units)
     if not result["ok"]:

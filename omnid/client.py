@@ -68,5 +68,18 @@ def subscribe(control: str):
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(f"ipc://{events_path(control)}")
+    # connect() returns before the connection exists (ZeroMQ's "slow joiner"): wait
+    # (bounded) until it does, so that a snapshot taken next misses no later event.
+    from zmq.utils.monitor import recv_monitor_message
+
+    mon = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+    try:
+        sub.connect(f"ipc://{events_path(control)}")
+        deadline = time.monotonic() + 2.0
+        while (left := deadline - time.monotonic()) > 0 and mon.poll(left * 1000):
+            if recv_monitor_message(mon)["event"] == zmq.EVENT_CONNECTED:
+                break
+    finally:
+        sub.disable_monitor()
+        mon.close(0)
     return sub

@@ -24,11 +24,11 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from omnid import linux, logconfig, settings
+from omnid import linux, logconfig, output, settings
 from omnid.control import ControlError, ControlServer, prepare_socket_dir
 from omnid.metrics import DaemonMetrics
 from omnid.notify import NotifyServer
-from omnid.sdnotify_out import ServiceNotifier
+from omnid.systemd import ServiceNotifier
 from omnid.spawnclient import SpawnerClient, SpawnerGone
 from omnid.states import UnitState as S
 from omnid.statefile import StateFile, find_leftovers, kill_leftovers
@@ -162,6 +162,7 @@ class Daemon:
         self._known(names)
         wanted = set(self.sup.expand(names, whole_groups=False)) if names else None
         units = [s for s in self.sup.snapshot() if wanted is None or s["name"] in wanted]
+        output.add_counters(units, self.sup.units)  # operators (#12): what a flooding unit cost
         out: dict = {"units": units, "daemon": {"pid": os.getpid(), "spawner_pid": self.spawner.pid,
                                                "units_dir": self.cfg.units_dir, "since": self.sup.started_at,
                                                "shutting_down": self.sup.shutting_down}}
@@ -357,6 +358,7 @@ class Daemon:
             self.sup._kick()
             self._health_task = loop.create_task(self._start_health(health_sock))
             startup_task = loop.create_task(self._watch_startup())
+            startup_task.add_done_callback(self._report_task)
         await self.shutdown_requested.wait()
         self.service.send("STOPPING=1", "STATUS=stopping the stack")
         log.info("stopping the stack")
@@ -366,8 +368,8 @@ class Daemon:
                 await startup_task
             except asyncio.CancelledError:
                 pass
-            except Exception as exc:  # noqa: BLE001 - reported, never silent
-                log.error("start-up watch failed", error=str(exc))
+            except Exception:  # noqa: BLE001 - already logged by _report_task
+                pass
         t0 = time.monotonic()
         recs = await self.sup.shutdown()
         self.shutdown_result.set_result(recs)
@@ -428,6 +430,12 @@ class Daemon:
 
         assert self.sup is not None
         await watch.watch(self.gpu, self.sup)
+
+    @staticmethod
+    def _report_task(task: asyncio.Task) -> None:
+        """No task whose exception nobody sees: log it the moment it ends badly."""
+        if not task.cancelled() and task.exception() is not None:
+            log.error("daemon task failed", task=task.get_coro().__qualname__, error=repr(task.exception()))
 
     def _on_signal(self, sig: int) -> None:
         assert self.shutdown_requested is not None

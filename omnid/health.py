@@ -12,6 +12,7 @@ import psutil
 import structlog
 from aiohttp import web
 
+from omnid.output import add_counters
 from omnid.supervisor import Supervisor, Unit
 from omnid.states import UnitState
 
@@ -108,7 +109,7 @@ class HealthServer:
         return web.json_response({"status": "ok", "ts": time.time()})
 
     async def units(self, _req: web.Request) -> web.Response:
-        return web.json_response({"units": self.sup.snapshot()})
+        return web.json_response({"units": add_counters(self.sup.snapshot(), self.sup.units)})
 
     async def unit(self, req: web.Request) -> web.Response:
         name = req.match_info["name"]
@@ -116,7 +117,7 @@ class HealthServer:
         if u is None:
             return web.json_response({"error": {"code": "unknown_unit", "message": f"no unit named {name!r}"}},
                                      status=404)
-        return web.json_response(u.snapshot())
+        return web.json_response(add_counters([u.snapshot()], self.sup.units)[0])
 
     async def metrics(self, _req: web.Request) -> web.Response:
         lines: list[str] = []

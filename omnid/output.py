@@ -182,3 +182,15 @@ class UnitOutput:
     def tail(self, n: int) -> list[dict]:
         items = list(self.lines)[-n:] if n > 0 else []
         return [{"ts": ts, "stream": stream, "line": line} for ts, stream, line in items]
+
+
+def add_counters(snapshots: list[dict], units: dict) -> list[dict]:
+    """Put each unit's output counters ("log") into its status object; the same for
+    `omnid status --json` and GET /units (omnid-control(7))."""
+    for snap in snapshots:
+        u = units.get(snap["name"])
+        out = getattr(u, "output", None)
+        if out is not None:
+            snap["log"] = {"lines": out.lines_total, "not_echoed": out.echo_dropped,
+                           "truncated": out.lines_truncated, "read_pauses": out.read_pauses}
+    return snapshots

@@ -135,6 +135,10 @@ def print_unit_detail(u: dict, lines: list[dict], *, colour: bool | None = None)
         print(f" Last exit: {u['last_exit']}")
     if u.get("reason"):
         print(f"    Reason: {u['reason']}")
+    if u.get("log"):
+        lg = u["log"]
+        print(f"       Log: {lg['lines']} lines read, {lg['not_echoed']} not echoed (rate limit), "
+              f"{lg['truncated']} cut at 16 KiB, {lg['read_pauses']} read pauses")
     if u.get("status_text"):
         print(f"    Status: \"{u['status_text']}\"")
     if lines:

@@ -250,6 +250,12 @@ class Limits:
     tasks_max: int | None = None
 
 
+def cgroup_limits(spec) -> Limits | None:
+    """The cgroup files a unit's keys ask for (memory_max, tasks_max), or None."""
+    lim = Limits(memory_max=getattr(spec, "memory_max", None), tasks_max=getattr(spec, "tasks_max", None))
+    return lim if lim != Limits() else None
+
+
 class UnitCgroup:
     """The cgroup of one unit instance."""
 
@@ -590,3 +596,48 @@ class CgroupTarget:
                 out.append(Survivor(pid, st.comm, st.state, "", f"pid {pid} ({st.comm}) in cgroup {self.cg.path}",
                                     st.start_time))
         return out
+
+
+# --------------------------------------------------------------------- daemon hooks
+
+
+def backend(root: CgroupRoot | None) -> dict:
+    """What `omnid status`, /health and /units say about the kill backend."""
+    if root is None:
+        return {"backend": "process-group", "cgroup": None}
+    return {"backend": "cgroup", "cgroup": root.path}
+
+
+def start(flag: str | None, stack) -> CgroupRoot | None:
+    """At daemon start, before the spawner exists: discover the root, refuse unit keys it
+    cannot honour (CgroupError naming unit and key), clean a previous daemon's cgroups."""
+    settings = getattr(stack, "settings", None)
+    toml_root = getattr(settings, "cgroup_root", None) if settings is not None else None
+    explicit, source = None, None
+    for value, where in ((flag, "--cgroup-root"), (os.environ.get("OMNID_CGROUP_ROOT"), "OMNID_CGROUP_ROOT"),
+                         (str(toml_root) if toml_root else None, f"cgroup_root in {getattr(settings, 'file', '')}")):
+        if value:
+            explicit, source = value, where
+            break
+    try:
+        root = discover(explicit, source or "")
+    except CgroupError as exc:
+        raise CgroupError(f"{source}: {exc}") from None
+    errs = []
+    for name, spec in sorted(stack.units.items()):
+        keys = {k: getattr(spec, k, None) for k in KEY_CONTROLLER}
+        if root is None:
+            errs += [f"unit {name}: {k}: needs a cgroup v2 root (--cgroup-root, cgroup_root in omnid.toml or "
+                     f"systemd Delegate=yes); omnid runs with process groups here" for k, v in keys.items() if v is not None]
+        else:
+            errs += root.check_keys(name, keys)
+    if errs:
+        if root is not None:
+            root.close()
+        raise CgroupError("; ".join(errs))
+    if root is not None:
+        left = root.clean_stale()
+        if left:
+            log.error("cgroups of a previous daemon could not be removed", cgroups=left)
+        log.info("cgroup v2 per unit", root=root.path, source=root.source, controllers=sorted(root.controllers))
+    return root

@@ -134,7 +134,7 @@ def format_event(ev: dict) -> str:
 def cmd_daemon(a: argparse.Namespace) -> int:
     from omnid import daemon
 
-    return daemon.run(a.units, a.control, a.state_dir, a.health_listen, a.log_format)
+    return daemon.run(a.units, a.control, a.state_dir, a.health_listen, a.log_format, cgroup_root=a.cgroup_root)
 
 
 def cmd_check(a: argparse.Namespace) -> int:
@@ -375,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--state-dir")
     d.add_argument("--health-listen", type=_host_port)
     d.add_argument("--log-format", choices=["json", "console"])
+    d.add_argument("--cgroup-root", help="writable cgroup v2 directory for the units' cgroups (omnid.cgroup)")
     d.set_defaults(func=cmd_daemon)
 
     s = sub.add_parser("start", help="start the daemon and the stack, or units of a running daemon")

@@ -30,6 +30,7 @@ from omnid.control import ControlError, ControlServer, prepare_socket_dir
 from omnid.notify import NotifyServer
 from omnid.spawnclient import SpawnerClient, SpawnerGone
 from omnid.statefile import StateFile, find_leftovers, kill_leftovers
+from omnid import cgroup as cgroup_mod
 from omnid.supervisor import StopRecord, Supervisor, UnitNotFound
 from omnid.tasks import DaemonTask
 from omnid.units import Stack, StackInvalid, check_stack, load_stack, parse_signal
@@ -123,6 +124,7 @@ class Daemon:
         self.exit_code = 0
         self._state_write: asyncio.TimerHandle | None = None
         self.gpu = None
+        self.cgroups = None  # omnid.cgroup.CgroupRoot, or None: process groups (cgroup hook)
         self._gpu_task: DaemonTask | None = None
         self._control_reader: DaemonTask | None = None
         self._health_task: asyncio.Task | None = None
@@ -196,7 +198,8 @@ class Daemon:
         units = [s for s in self.sup.snapshot() if wanted is None or s["name"] in wanted]
         out: dict = {"units": units, "daemon": {"pid": os.getpid(), "spawner_pid": self.spawner.pid,
                                                "units_dir": self.cfg.units_dir, "since": self.sup.started_at,
-                                               "shutting_down": self.sup.shutting_down}}
+                                               "shutting_down": self.sup.shutting_down,
+                                               **cgroup_mod.backend(self.cgroups)}}  # cgroup hook
         if args.get("verify"):
             problems = self.sup.verify()
             if problems:
@@ -294,7 +297,7 @@ class Daemon:
                               publish=lambda ev: self.control.publish(ev) if self.control else None,
                               on_pids_changed=self._schedule_state_write,
                               check_invariants=os.environ.get("OMNID_CHECK_INVARIANTS") == "1",
-                              gpu=self.gpu)
+                              gpu=self.gpu, cgroups=self.cgroups)
         handlers = {name[len("handle_"):]: getattr(self, name) for name in dir(self) if name.startswith("handle_")}
         self.control = ControlServer(ctx, self.cfg.control, handlers)
         self.control.bind()
@@ -391,7 +394,7 @@ class Daemon:
 
 
 def run(units_dir: str | None, control: str | None, state_dir: str | None, health_listen: str | None,
-        log_format: str | None) -> int:
+        log_format: str | None, cgroup_root: str | None = None) -> int:
     """The `omnid daemon` command. Returns the process exit code."""
     udir = os.path.abspath(units_dir or default_units_dir())
     try:
@@ -431,6 +434,13 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
         print(f"omnid: cannot create control socket directory for {cfg.control}: {exc}", file=sys.stderr)
         return 1
     daemon = Daemon(cfg, stack)
+    # cgroup hook: find the root (flag > OMNID_CGROUP_ROOT > omnid.toml > delegation), check
+    # memory_max / tasks_max against it, and kill a previous daemon's unit cgroups.
+    try:
+        daemon.cgroups = cgroup_mod.start(cgroup_root, stack)
+    except cgroup_mod.CgroupError as exc:
+        print(f"omnid: {exc}", file=sys.stderr)
+        return 2
     previous = daemon.state.read()
     if previous:
         leftovers = find_leftovers(previous)

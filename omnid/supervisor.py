@@ -31,7 +31,8 @@ from omnid.lifecycle import Event, Release, UnitView, step
 from omnid.output import UnitOutput
 from omnid.probes import ProbeFailed, http_probe, tcp_probe
 from omnid.process import DAEMON_TAG, UNIT_TAG, ProcessHandle, group_alive
-from omnid.termination import ProcessGroupTarget, StopRecord, terminate
+from omnid.termination import ProcessGroupTarget, StopRecord, Target, terminate
+from omnid.cgroup import CgroupTarget, cgroup_limits
 from omnid.spawnclient import ExitReport, SpawnError, SpawnerClient, SpawnRequest
 from omnid.states import Goal, UnitState, check_transition
 from omnid.tasks import unit_task
@@ -152,6 +153,7 @@ class Supervisor:
         check_invariants: bool = False,
         gpu: object | None = None,
         echo_output: bool = True,
+        cgroups: object | None = None,
     ) -> None:
         self.stack = stack
         self.spawner = spawner
@@ -161,6 +163,7 @@ class Supervisor:
         self.on_pids_changed = on_pids_changed or (lambda: None)
         self.check_invariants = check_invariants
         self.gpu = gpu
+        self.cgroups = cgroups  # omnid.cgroup.CgroupRoot or None (process groups)
         self.order: list[str] = [u.name for tier in stack.tiers() for u in tier]  # start order
         self.units: dict[str, Unit] = {}
         for name, spec in stack.units.items():
@@ -488,9 +491,16 @@ class Supervisor:
             self._record_failure(u, held)
             self._transition(u, E.SPAWN_FAILED, self._failure_reason(u, held))
             return
+        try:  # cgroup hook: the instance's cgroup exists before the child joins it (pre-exec)
+            cg_path = self.cgroups.create(u.name, cgroup_limits(spec)).path if self.cgroups else None
+        except OSError as exc:
+            what = f"cannot create the unit's cgroup: {exc}"
+            self._record_failure(u, what)
+            self._transition(u, E.SPAWN_FAILED, self._failure_reason(u, what))
+            return
         r, w = os.pipe2(os.O_CLOEXEC)
         req = SpawnRequest(unit=u.name, argv=tuple(self._argv(spec)), env=self._env(u), cwd=spec.cwd,
-                           user=spec.user, group=spec.group, rlimits=tuple(spec.limits))
+                           user=spec.user, group=spec.group, rlimits=tuple(spec.limits), cgroup=cg_path)
         try:
             sp = await self.spawner.spawn(req, w)
         except SpawnError as exc:
@@ -766,6 +776,8 @@ class Supervisor:
             rec = await terminate(target, signal.SIGKILL, u.spec.kill_timeout, 0.0, send_cont=False)
             if rec.unkillable:
                 log.error("unkillable processes after failure", unit=u.name, survivors=rec.unkillable)
+        if self.cgroups:
+            self.cgroups.release(u.name)  # cgroup hook: rmdir once populated 0
         u.death_detect_ms = (time.monotonic() - t_wake) * 1000
         self._transition(u, E.GONE if u.state is S.STOPPING else E.EXITED, self._failure_reason(u, what), failing=True)
 
@@ -809,8 +821,11 @@ class Supervisor:
             final = f"{why}; UNKILLABLE: {'; '.join(rec.unkillable)}"
         self._transition(u, E.KILL_TIMEOUT if rec.unkillable else E.GONE, final)
 
-    def _target(self, u: Unit, h: ProcessHandle, orphans: list[int] | None = None) -> ProcessGroupTarget:
+    def _target(self, u: Unit, h: ProcessHandle, orphans: list[int] | None = None) -> Target:
         """What of this unit the kill policy acts on (a cgroup backend plugs in here)."""
+        cg = self.cgroups.get(u.name) if self.cgroups else None
+        if cg is not None:  # cgroup hook
+            return CgroupTarget(u.name, h, self.token, cg)
         return ProcessGroupTarget(u.name, h, self.spawner.pid, self.token, mains=self._by_pid.keys() - {h.pid},
                                   orphans=orphans)
 
@@ -822,6 +837,8 @@ class Supervisor:
         gpu_on = self.gpu is not None and getattr(self.gpu, "available", False)
         every_pid = {h.pid, *(s.pid for s in target.members())} if gpu_on else set()
         rec = await terminate(target, first, spec.stop_timeout, spec.kill_timeout, send_cont=send_cont)
+        if self.cgroups:
+            self.cgroups.release(u.name)  # cgroup hook: rmdir once populated 0
         if gpu_on:
             rec.gpu_release_ms = await self._gpu_release(h.pid, list(every_pid), spec.kill_timeout)
         log.info("stopped", unit=u.name, signal=rec.signal, seconds=rec.seconds, escalated=rec.escalated,
@@ -998,6 +1015,9 @@ class Supervisor:
                 problems.append(f"{u.name}: {st.value} but its output pipe is open")
             if group_alive(u.last_pgid):
                 problems.append(f"{u.name}: {st.value} but process group {u.last_pgid} is not empty")
+            cg = self.cgroups.get(u.name) if self.cgroups else None
+            if cg is not None and cg.pids():  # cgroup hook: residue read from cgroup.procs
+                problems.append(f"{u.name}: {st.value} but cgroup {cg.path} holds pids {cg.pids()}")
         return problems
 
     def verify(self) -> list[str]:
@@ -1015,6 +1035,8 @@ class Supervisor:
                 snap["gpu_mib"] = self.gpu_mib[n]
             if n in self.degraded:
                 snap["degraded"] = self.degraded[n]
+            if self.cgroups:
+                snap.update(self.cgroups.snapshot(n))  # cgroup hook
             out.append(snap)
         return out
 

@@ -201,6 +201,7 @@ class DaemonSettings:
     state_dir: Path | None = None
     health_listen: str | None = None  # "HOST:PORT", numeric host
     log_format: LogFormat | None = None
+    cgroup_root: Path | None = None  # omnid.cgroup: a writable cgroup v2 directory for the units
 
 
 @dataclass(frozen=True, eq=False)
@@ -482,7 +483,7 @@ UNIT_KEYS = (
     "start_limit_burst", "start_limit_interval", "gpu_min_free_mib",
 )  # fmt: skip
 LIVENESS_KEYS = ("http", "interval", "timeout", "failures")
-SETTINGS_KEYS = ("control", "state_dir", "health_listen", "log_format")
+SETTINGS_KEYS = ("control", "state_dir", "health_listen", "log_format", "cgroup_root")
 
 
 @dataclass(frozen=True)
@@ -609,6 +610,7 @@ def _parse_settings(file: Path, raw: Mapping[str, Any], directory: Path, errors:
         state_dir=t.get("state_dir", None, path),
         health_listen=t.get("health_listen", None, listen),
         log_format=t.get("log_format", None, _choice(LogFormat)),
+        cgroup_root=t.get("cgroup_root", None, path),
     )
 
 

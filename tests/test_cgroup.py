@@ -15,6 +15,7 @@ import uuid
 import pytest
 
 from omnid import cgroup as cgm
+from tests.harness import Daemon, alive, make_stack, remove_cgroup_tree, wait_for
 
 MOUNTS = cgm.cgroup2_mounts()
 
@@ -31,25 +32,12 @@ needs_cgroup2 = pytest.mark.skipif(MOUNT is None or os.geteuid() != 0,
                                    reason=f"no writable cgroup v2 mount as root (cgroup2 mounts: {MOUNTS or 'none'})")
 
 
-def _remove_tree(path: str) -> None:
-    """Test cleanup: kill what is left (by cgroup.kill on our own test cgroup) and rmdir."""
-    if not os.path.isdir(path):
-        return
-    for dirpath, _d, _f in os.walk(path, topdown=False):
-        if cgm.populated(dirpath):
-            cgm._write(os.path.join(dirpath, "cgroup.kill"), "1")
-    deadline = time.monotonic() + 10
-    while cgm.populated(path) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert cgm._rmtree(path), f"could not remove test cgroup root {path}: {os.listdir(path)}"
-
-
 @pytest.fixture
 def cg_root():
     path = os.path.join(MOUNT, f"omnid-test-{uuid.uuid4().hex[:12]}")
     os.mkdir(path)
     yield path
-    _remove_tree(path)
+    remove_cgroup_tree(path)
 
 
 def _spawn_into(path: str, argv: list[str]) -> subprocess.Popen:

@@ -174,3 +174,183 @@ def test_memory_max_is_rejected_naming_the_key_when_the_controller_is_absent(cg_
                 assert any(key in e and ctl in e and "big" in e for e in errs), errs
     finally:
         root.close()
+
+
+# ---------------------------------------------------------------- through the daemon
+
+def _toml_unit(pidfile, then="sleep") -> str:
+    import json
+    code = (f"import os,sys,time\n"
+            f"if os.fork()==0:\n"
+            f"  os.setsid()\n"
+            f"  if os.fork()==0:\n"
+            f"    os.execve('/usr/bin/env',['env','-i','/bin/sh','-c','echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; exec sleep 300'],{{}})\n"
+            f"  os._exit(0)\n"
+            f"while not os.path.exists('{pidfile}'): time.sleep(0.01)\n"
+            + ("time.sleep(300)\n" if then == "sleep" else "sys.exit(1)\n"))
+    return f"exec = {json.dumps(['python3', '-c', code])}\nstop_timeout = 5\n"
+
+
+class Grandchild:
+    """The escaped grandchild, held by a pidfd from the moment its pid is read."""
+
+    def __init__(self, pidfile) -> None:
+        wait_for(lambda: os.path.exists(pidfile), 20, f"the grandchild's pid in {pidfile}")
+        self.pid = int(open(pidfile).read())
+        self.fd = os.pidfd_open(self.pid)
+
+    def alive(self) -> bool:
+        import select
+        p = select.poll()
+        p.register(self.fd, select.POLLIN)
+        return not p.poll(0)
+
+    def close(self) -> None:
+        if self.alive():
+            signal.pidfd_send_signal(self.fd, signal.SIGKILL)
+            wait_for(lambda: not self.alive(), 5, f"grandchild {self.pid} to die")
+        os.close(self.fd)
+
+
+@pytest.fixture
+def daemon_factory(cg_root):
+    made = []
+
+    def make(units: dict[str, str], cgroup: bool = True, **kw) -> Daemon:
+        d = Daemon(make_stack(units), cgroup_root=cg_root if cgroup else None, **kw)
+        made.append(d)
+        return d.start()
+
+    yield make
+    for d in made:
+        d.close()
+
+
+def _why(d: Daemon) -> str:
+    return f"units: {d.units()}\nlog tail:\n{d.log()[-3000:]}"
+
+
+@needs_cgroup2
+def test_escaped_grandchild_dies_with_omnid_stop_under_cgroups(daemon_factory, tmp_path, cg_root):
+    pf = tmp_path / "gc.pid"
+    d = daemon_factory({"esc": _toml_unit(pf)})
+    d.wait_state("esc", "active")
+    gc = Grandchild(pf)
+    try:
+        assert gc.pid in cgm.procs(os.path.join(cg_root, "esc")), _why(d)
+        d.ok("stop", {"units": ["esc"]})
+        wait_for(lambda: not gc.alive(), 5, f"escaped grandchild {gc.pid} to die with stop\n{_why(d)}")
+        wait_for(lambda: not os.path.exists(os.path.join(cg_root, "esc")), 5, "the unit's cgroup to be removed")
+        assert d.ok("status", {"verify": True})["verify"]["ok"], _why(d)
+    finally:
+        gc.close()
+
+
+@needs_cgroup2
+def test_escaped_grandchild_dies_with_the_units_failure_under_cgroups(daemon_factory, tmp_path, cg_root):
+    pf = tmp_path / "gc.pid"
+    d = daemon_factory({"esc": _toml_unit(pf, then="exit")})
+    gc = Grandchild(pf)
+    try:
+        d.wait_state("esc", "failed")
+        wait_for(lambda: not gc.alive(), 5, f"escaped grandchild {gc.pid} to die with the failure\n{_why(d)}")
+        wait_for(lambda: not os.path.exists(os.path.join(cg_root, "esc")), 5, "the unit's cgroup to be removed")
+    finally:
+        gc.close()
+
+
+@needs_cgroup2
+def test_without_cgroups_the_escaped_grandchild_survives_stop(daemon_factory, tmp_path):
+    """The hole this issue closes, shown on the fallback backend (process groups)."""
+    pf = tmp_path / "gc.pid"
+    d = daemon_factory({"esc": _toml_unit(pf)}, cgroup=False)
+    d.wait_state("esc", "active")
+    gc = Grandchild(pf)
+    try:
+        assert d.ok("status")["daemon"]["backend"] == "process-group"
+        d.ok("stop", {"units": ["esc"]})
+        d.wait_state("esc", "inactive")
+        assert gc.alive(), "expected the escaped grandchild to survive without cgroups"
+    finally:
+        gc.close()  # by the pidfd of the pid we recorded
+
+
+@needs_cgroup2
+def test_256_units_one_cgroup_each_and_no_directory_left(daemon_factory, cg_root):
+    units = {f"u{i:03d}": 'exec = ["sleep", "300"]\n' for i in range(256)}
+    d = daemon_factory(units)
+    d.wait_all_active(timeout=120)
+    dirs = sorted(n for n in os.listdir(cg_root) if os.path.isdir(os.path.join(cg_root, n)))
+    assert dirs == sorted(units), f"{len(dirs)} cgroups"
+    for n in dirs:
+        assert len(cgm.procs(os.path.join(cg_root, n))) == 1, n
+    d.ok("stop", {"units": list(units)}, timeout=120)
+    left = [n for n in os.listdir(cg_root) if os.path.isdir(os.path.join(cg_root, n))]
+    assert left == [], f"cgroup directories left: {left[:10]}"
+
+
+@needs_cgroup2
+def test_daemon_sigkill_then_a_fresh_daemon_cleans_leftover_cgroups(cg_root, tmp_path):
+    pf = tmp_path / "gc.pid"
+    stack = make_stack({"esc": _toml_unit(pf)})
+    d1 = Daemon(stack, cgroup_root=cg_root).start()
+    d2 = None
+    gc = None
+    try:
+        d1.wait_state("esc", "active")
+        gc = Grandchild(pf)
+        # The daemon and its spawner both SIGKILLed (an OOM kill of the pair): the spawner's
+        # cleanup cannot run, the escaped grandchild is left in the unit's cgroup.
+        spawner = os.pidfd_open(d1.ok("status")["daemon"]["spawner_pid"])  # the daemon's child, held
+        try:
+            os.kill(d1.pid, signal.SIGSTOP)  # a pid we spawned: it must not notice before both die
+            signal.pidfd_send_signal(spawner, signal.SIGKILL)
+            os.kill(d1.pid, signal.SIGKILL)
+        finally:
+            os.close(spawner)
+        d1.wait_exit(10)
+        assert gc.alive() and os.path.isdir(os.path.join(cg_root, "esc"))
+        d2 = Daemon(make_stack({"other": 'exec = ["sleep", "300"]\n'}), cgroup_root=cg_root).start()
+        wait_for(lambda: not gc.alive(), 10, f"the fresh daemon to kill the leftover cgroup\n{d2.log()[-2000:]}")
+        assert not os.path.exists(os.path.join(cg_root, "esc"))
+    finally:
+        if gc is not None:
+            gc.close()
+        d1.close()
+        if d2 is not None:
+            d2.close()
+
+
+def test_fallback_without_a_cgroup_root_says_so_once_and_works(daemon_factory, tmp_path):
+    d = daemon_factory({"a": 'exec = ["sleep", "300"]\n'}, cgroup=False, env={"INVOCATION_ID": ""})
+    d.wait_state("a", "active")
+    assert d.ok("status")["daemon"]["backend"] == "process-group"
+    code, body = d.http("/health")
+    assert body["backend"] == "process-group" and body["cgroup"] is None
+    falls = [e for e in d.log_events() if "falls back to process groups" in e.get("event", "")]
+    assert len(falls) == 1, d.log()[-2000:]
+    d.ok("stop", {"units": ["a"]})
+    d.wait_state("a", "inactive")
+
+
+@needs_cgroup2
+def test_a_bad_cgroup_root_is_refused_naming_the_flag_and_reason(tmp_path):
+    d = Daemon(make_stack({"a": 'exec = ["sleep", "300"]\n'}), cgroup_root=str(tmp_path))
+    try:
+        with pytest.raises(AssertionError, match="not on a cgroup2 file system"):
+            d.start()
+        assert d.proc.returncode == 2
+        assert "--cgroup-root" in d.log()
+    finally:
+        d.close()
+
+
+@needs_cgroup2
+def test_health_and_units_name_the_cgroup_backend(daemon_factory, cg_root):
+    d = daemon_factory({"a": 'exec = ["sleep", "300"]\n'})
+    d.wait_state("a", "active")
+    assert d.ok("status")["daemon"]["cgroup"] == cg_root
+    _c, body = d.http("/health")
+    assert body["backend"] == "cgroup" and body["cgroup"] == cg_root
+    _c, body = d.http("/units")
+    assert body["cgroup"] == cg_root and body["units"][0]["cgroup"] == os.path.join(cg_root, "a")

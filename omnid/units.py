@@ -161,6 +161,8 @@ class Unit:
     start_limit_burst: int = 5
     start_limit_interval: float = 60.0
     gpu_min_free_mib: int = 0
+    memory_max: int | str | None = None  # cgroup memory.max (systemd MemoryMax=); "max" = no limit
+    tasks_max: int | str | None = None  # cgroup pids.max (systemd TasksMax=)
 
     @property
     def dependencies(self) -> tuple[str, ...]:
@@ -362,6 +364,28 @@ def _integer(minimum: int) -> Callable[[Any], int]:
     return convert
 
 
+_SIZE = re.compile(r"([0-9]+)([KMGT]?)")
+
+
+def _cgroup_amount(*, bytes_: bool) -> Callable[[Any], int | str]:
+    """memory_max: bytes (integer, or "512M" / "8G" with K/M/G/T = 1024^n); tasks_max: an
+    integer; both accept "infinity" (written as "max"). Checked against the cgroup root at start."""
+    example = '"8G"' if bytes_ else "512"
+
+    def convert(value: Any) -> int | str:
+        if value == "infinity":
+            return "max"
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        if bytes_ and isinstance(value, str):
+            m = _SIZE.fullmatch(value)
+            if m and int(m.group(1)) >= 1:
+                return int(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " ")
+        raise _Invalid(f'expected a positive integer, {example} or "infinity", got {_describe(value)}')
+
+    return convert
+
+
 def _seconds(*, zero_ok: bool) -> Callable[[Any], float]:
     bound = ">= 0" if zero_ok else "> 0"
 
@@ -480,7 +504,7 @@ UNIT_KEYS = (
     "exec", "description", "role", "title", "instances", "after", "requires", "cwd", "env",
     "user", "group", "limits", "gpus", "ready", "ready_timeout", "liveness", "watchdog_sec",
     "stop_signal", "stop_timeout", "kill_timeout", "restart", "restart_sec", "restart_max_sec",
-    "start_limit_burst", "start_limit_interval", "gpu_min_free_mib",
+    "start_limit_burst", "start_limit_interval", "gpu_min_free_mib", "memory_max", "tasks_max",
 )  # fmt: skip
 LIVENESS_KEYS = ("http", "interval", "timeout", "failures")
 SETTINGS_KEYS = ("control", "state_dir", "health_listen", "log_format", "cgroup_root")
@@ -553,6 +577,8 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
         "start_limit_burst": t.get("start_limit_burst", 5, _integer(1)),
         "start_limit_interval": t.get("start_limit_interval", 60.0, _seconds(zero_ok=False)),
         "gpu_min_free_mib": t.get("gpu_min_free_mib", 0, _integer(0)),
+        "memory_max": t.get("memory_max", None, _cgroup_amount(bytes_=True)),
+        "tasks_max": t.get("tasks_max", None, _cgroup_amount(bytes_=False)),
         "liveness": None,
     }
     if "liveness" in raw:
@@ -704,6 +730,8 @@ def _expand_unit(
         start_limit_burst=v["start_limit_burst"],
         start_limit_interval=v["start_limit_interval"],
         gpu_min_free_mib=v["gpu_min_free_mib"],
+        memory_max=v["memory_max"],
+        tasks_max=v["tasks_max"],
     )
 
 

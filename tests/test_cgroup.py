@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 
 import pytest
@@ -354,3 +355,71 @@ def test_health_and_units_name_the_cgroup_backend(daemon_factory, cg_root):
     assert body["backend"] == "cgroup" and body["cgroup"] == cg_root
     _c, body = d.http("/units")
     assert body["cgroup"] == cg_root and body["units"][0]["cgroup"] == os.path.join(cg_root, "a")
+
+
+# ---------------------------------------------------------------- unit keys
+
+def test_memory_max_and_tasks_max_parse_with_systemd_units():
+    from omnid.units import load_stack
+    stack = load_stack(make_stack({"a": 'exec = ["true"]\nmemory_max = "8G"\ntasks_max = 64\n',
+                                   "b": 'exec = ["true"]\nmemory_max = "infinity"\n'}))
+    assert stack.units["a"].memory_max == 8 << 30 and stack.units["a"].tasks_max == 64
+    assert stack.units["b"].memory_max == "max"
+
+
+def test_a_bad_memory_max_names_file_and_key():
+    from omnid.units import StackInvalid, load_stack
+    with pytest.raises(StackInvalid) as ei:
+        load_stack(make_stack({"a": 'exec = ["true"]\nmemory_max = "8X"\n'}))
+    assert any("memory_max" in str(e) and "a.toml" in str(e) for e in ei.value.errors)
+
+
+def _refused(stack, cgroup_root) -> str:
+    d = Daemon(stack, cgroup_root=cgroup_root, env={"INVOCATION_ID": ""})
+    try:
+        with pytest.raises(AssertionError):
+            d.start()
+        assert d.proc.returncode == 2
+        return d.log()
+    finally:
+        d.close()
+
+
+def test_memory_max_without_a_cgroup_root_is_refused_naming_unit_and_key():
+    log = _refused(make_stack({"big": 'exec = ["sleep", "300"]\nmemory_max = "1G"\n'}), None)
+    assert "unit big: memory_max: needs a cgroup v2 root" in log, log
+
+
+@needs_cgroup2
+def test_memory_max_and_tasks_max_follow_the_controllers_of_the_root(cg_root):
+    stack = make_stack({"big": 'exec = ["sleep", "300"]\nmemory_max = "1G"\ntasks_max = 32\n'})
+    controllers = set(open(os.path.join(cg_root, "cgroup.controllers")).read().split())
+    if {"memory", "pids"} <= controllers:
+        d = Daemon(stack, cgroup_root=cg_root).start()
+        try:
+            d.wait_state("big", "active")
+            assert open(os.path.join(cg_root, "big", "memory.max")).read().strip() == str(1 << 30)
+            assert open(os.path.join(cg_root, "big", "pids.max")).read().strip() == "32"
+        finally:
+            d.close()
+    else:
+        log = _refused(stack, cg_root)
+        for key, ctl in (("memory_max", "memory"), ("tasks_max", "pids")):
+            if ctl not in controllers:
+                assert f"unit big: {key}: needs the {ctl} controller in cgroup root {cg_root}" in log, log
+
+
+@needs_cgroup2
+def test_cgroup_figures_in_status_units_and_metrics(daemon_factory, cg_root):
+    d = daemon_factory({"a": 'exec = ["python3", "-c", "sum(range(10**6)); import time; time.sleep(300)"]\n'})
+    d.wait_state("a", "active")
+    files = cgm.figures(os.path.join(cg_root, "a"))
+    assert "cpu_usage_usec" in files  # cpu.stat is a core cgroup v2 file
+    st = d.unit("a")
+    assert set(st["cgroup_figures"]) == set(files), (st, files)
+    _c, body = d.http("/units")
+    assert set(body["units"][0]["cgroup_figures"]) == set(files)
+    with urllib.request.urlopen(f"http://127.0.0.1:{d.health_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'omnid_unit_cgroup_cpu_usage_usec_total{unit="a"}' in text
+    assert ("omnid_unit_cgroup_memory_bytes" in text) == ("memory_current" in files)

@@ -152,7 +152,7 @@ def idle(cgroup: bool, seconds: float, n: int = 256) -> dict:
         time.sleep(seconds)
         c1 = p.cpu_times()
         wall = time.monotonic() - t0
-        cpu = (c1.user + c1.system - c0.user - c0.system) / wall * 100
+        cpu = max(0.0, (c1.user + c1.system - c0.user - c0.system) / wall * 100)  # 10 ms ticks
         cgs = len([x for x in os.listdir(root) if os.path.isdir(os.path.join(root, x))]) if root else 0
         return {"units": n, "cgroups": cgs, "daemon_rss_mib": round(p.memory_info().rss / 2**20, 1),
                 "daemon_cpu_percent": round(cpu, 3), "seconds": round(wall, 1)}

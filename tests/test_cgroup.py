@@ -423,3 +423,27 @@ def test_cgroup_figures_in_status_units_and_metrics(daemon_factory, cg_root):
         text = r.read().decode()
     assert 'omnid_unit_cgroup_cpu_usage_usec_total{unit="a"}' in text
     assert ("omnid_unit_cgroup_memory_bytes" in text) == ("memory_current" in files)
+
+
+@needs_cgroup2
+def test_under_systemd_delegation_the_daemon_moves_into_a_daemon_leaf_and_units_are_siblings(cg_root, tmp_path):
+    """systemd with Delegate=yes, reproduced: the daemon starts inside a cgroup marked
+    trusted.delegate=1 with INVOCATION_ID set, and no --cgroup-root."""
+    os.setxattr(cg_root, "trusted.delegate", b"1")
+    wrap = tmp_path / "python-in-cgroup"
+    wrap.write_text(f'#!/bin/sh\necho $$ > {cg_root}/cgroup.procs\nexec {sys.executable} "$@"\n')
+    wrap.chmod(0o755)
+    d = Daemon(make_stack({"a": 'exec = ["sleep", "300"]\n'}), python=str(wrap),
+               env={"INVOCATION_ID": uuid.uuid4().hex, "OMNID_TEST_CGROUP": "0"})
+    try:
+        d.start()
+        d.wait_state("a", "active")
+        st = d.ok("status")["daemon"]
+        assert st["backend"] == "cgroup" and st["cgroup"] == cg_root, d.log()[-2000:]
+        leaf = cgm.procs(os.path.join(cg_root, "daemon"))
+        assert d.pid in leaf and st["spawner_pid"] in leaf, leaf
+        assert cgm.procs(cg_root) == []  # no process in the inner cgroup
+        assert cgm.procs(os.path.join(cg_root, "a")) == [d.unit("a")["pid"]]
+    finally:
+        d.close()
+    wait_for(lambda: not os.path.exists(os.path.join(cg_root, "a")), 5, "the unit's cgroup removed")

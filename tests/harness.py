@@ -91,7 +91,7 @@ class Daemon:
         # per daemon below the cgroup2 mount, removed by close().
         self.cgroup_root = cgroup_root
         self._own_cgroup_root = False
-        if cgroup_root is None and os.environ.get("OMNID_TEST_CGROUP") == "1":
+        if cgroup_root is None and self.env.get("OMNID_TEST_CGROUP") == "1":
             from omnid.cgroup import cgroup2_mounts
 
             self.cgroup_root = os.path.join(cgroup2_mounts()[0], f"omnid-test-{self.workdir.name}")

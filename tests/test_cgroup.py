@@ -214,11 +214,13 @@ class Grandchild:
 
 
 @pytest.fixture
-def daemon_factory(cg_root):
+def daemon_factory(request):
     made = []
 
-    def make(units: dict[str, str], cgroup: bool = True, **kw) -> Daemon:
-        d = Daemon(make_stack(units), cgroup_root=cg_root if cgroup else None, **kw)
+    def make(units: dict[str, str], cgroup: bool = True, env: dict | None = None, **kw) -> Daemon:
+        root = request.getfixturevalue("cg_root") if cgroup else None
+        env = dict(env or {}, **({} if cgroup else {"OMNID_TEST_CGROUP": "0"}))  # the fallback, whatever the run
+        d = Daemon(make_stack(units), cgroup_root=root, env=env, **kw)
         made.append(d)
         return d.start()
 
@@ -375,7 +377,7 @@ def test_a_bad_memory_max_names_file_and_key():
 
 
 def _refused(stack, cgroup_root) -> str:
-    d = Daemon(stack, cgroup_root=cgroup_root, env={"INVOCATION_ID": ""})
+    d = Daemon(stack, cgroup_root=cgroup_root, env={"INVOCATION_ID": "", "OMNID_TEST_CGROUP": "0"})
     try:
         with pytest.raises(AssertionError):
             d.start()

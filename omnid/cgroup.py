@@ -497,11 +497,34 @@ def _delegated(path: str) -> bool:
     return False
 
 
+MARK = "trusted.omnid.root"
+
+
+def claim(path: str) -> None:
+    """Make sure path is omnid's before anything below it is killed as stale: either it
+    carries omnid's mark (trusted.omnid.root, set by an earlier daemon) or it holds no
+    cgroup yet, and then it gets the mark. A root shared with others is refused."""
+    try:
+        if os.getxattr(path, MARK) == b"1":
+            return
+    except OSError:
+        pass
+    others = sorted(n for n in os.listdir(path) if os.path.isdir(os.path.join(path, n)) and n != DAEMON_LEAF)
+    if others:
+        raise CgroupError(f"cgroup root {path}: holds cgroups omnid did not make ({', '.join(others[:5])}); "
+                          f"give omnid a directory of its own (omnid kills whatever it finds below its root)")
+    try:
+        os.setxattr(path, MARK, b"1")
+    except OSError as exc:
+        log.warning("cannot mark the cgroup root as omnid's", root=path, error=str(exc))
+
+
 def discover(explicit: str | None, source: str = "--cgroup-root") -> CgroupRoot | None:
     """The cgroup root to use, or None (process groups). An explicit root that cannot be
     used is an error (CgroupError); the automatic one falls back with one log line."""
     if explicit:
         validate(explicit)
+        claim(explicit)
         return CgroupRoot(os.path.abspath(explicit), source)
     own = _own_cgroup()
     under_systemd = bool(os.environ.get("INVOCATION_ID"))
@@ -520,6 +543,7 @@ def discover(explicit: str | None, source: str = "--cgroup-root") -> CgroupRoot 
             # Move this process and its threads (none yet) into the leaf: units can be
             # siblings only if no process sits in an inner cgroup.
             _write(os.path.join(leaf, "cgroup.procs"), "0")
+            claim(own)
             return CgroupRoot(own, "systemd delegation")
         except (CgroupError, OSError) as exc:
             why = f"delegated cgroup {own} unusable: {exc}"

@@ -449,3 +449,22 @@ def test_under_systemd_delegation_the_daemon_moves_into_a_daemon_leaf_and_units_
     finally:
         d.close()
     wait_for(lambda: not os.path.exists(os.path.join(cg_root, "a")), 5, "the unit's cgroup removed")
+
+
+@needs_cgroup2
+def test_a_root_holding_cgroups_omnid_did_not_make_is_refused_not_wiped(cg_root):
+    foreign = os.path.join(cg_root, "someone-else")
+    os.mkdir(foreign)
+    p = _spawn_into(foreign, ["sleep", "300"])
+    try:
+        d = Daemon(make_stack({"a": 'exec = ["sleep", "300"]\n'}), cgroup_root=cg_root)
+        try:
+            with pytest.raises(AssertionError, match="holds cgroups omnid did not make"):
+                d.start()
+            assert d.proc.returncode == 2
+        finally:
+            d.close()
+        assert p.poll() is None, "a process in a cgroup omnid did not make was killed"
+    finally:
+        p.kill()
+        p.wait(5)

@@ -37,7 +37,8 @@ def control_of(a: argparse.Namespace) -> str:
 def cmd_daemon(a: argparse.Namespace) -> int:
     from omnid import daemon
 
-    return daemon.run(a.units, a.control, a.state_dir, a.health_listen, a.log_format, log_file=a.log_file)
+    return daemon.run(a.units, a.control, a.state_dir, a.health_listen, a.log_format, log_file=a.log_file,
+                      cgroup_root=a.cgroup_root)
 
 
 def cmd_check(a: argparse.Namespace) -> int:
@@ -456,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     daemon_settings(d)
     d.add_argument("--log-file", metavar="PATH",
                    help="the file stderr goes to, rotated to PATH.1 beyond 8 MiB (omnid start sets it)")
+    d.add_argument("--cgroup-root", metavar="DIR",
+                   help="writable cgroup v2 directory for the units' cgroups (default: $OMNID_CGROUP_ROOT, "
+                        "omnid.toml, the delegated service cgroup under systemd, else process groups only)")
     d.set_defaults(func=cmd_daemon)
 
     s = sub.add_parser("start", help="start the daemon and the stack, or units of a running daemon")

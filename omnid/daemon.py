@@ -32,6 +32,7 @@ from omnid.systemd import ServiceNotifier
 from omnid.spawnclient import SpawnerClient, SpawnerGone
 from omnid.states import UnitState as S
 from omnid.statefile import StateFile, find_leftovers, kill_leftovers
+from omnid import cgroup as cgroup_mod
 from omnid.supervisor import StopRecord, Supervisor, UnitNotFound
 from omnid.tasks import DaemonTask
 from omnid.units import Stack, StackInvalid, check_stack, load_stack, parse_signal
@@ -85,6 +86,7 @@ class Daemon:
         self.exit_code = 0
         self._state_write: asyncio.TimerHandle | None = None
         self.gpu = None
+        self.cgroups = None  # omnid.cgroup.CgroupRoot, or None: process groups (cgroup hook)
         self._gpu_task: DaemonTask | None = None
         self._control_reader: DaemonTask | None = None
         self._health_task: asyncio.Task | None = None
@@ -165,7 +167,8 @@ class Daemon:
         output.add_counters(units, self.sup.units)  # operators (#12): what a flooding unit cost
         out: dict = {"units": units, "daemon": {"pid": os.getpid(), "spawner_pid": self.spawner.pid,
                                                "units_dir": self.cfg.units_dir, "since": self.sup.started_at,
-                                               "shutting_down": self.sup.shutting_down}}
+                                               "shutting_down": self.sup.shutting_down,
+                                               **cgroup_mod.backend(self.cgroups)}}  # cgroup hook
         if args.get("verify"):
             problems = self.sup.verify()
             if problems:
@@ -331,7 +334,7 @@ class Daemon:
                               publish=self._publish,
                               on_pids_changed=self._schedule_state_write,
                               check_invariants=os.environ.get("OMNID_CHECK_INVARIANTS") == "1",
-                              gpu=self.gpu)
+                              gpu=self.gpu, cgroups=self.cgroups)
         handlers = {name[len("handle_"):]: getattr(self, name) for name in dir(self) if name.startswith("handle_")}
         self.control = ControlServer(ctx, self.cfg.control, handlers)
         self.control.bind()
@@ -451,7 +454,8 @@ class Daemon:
 
 
 def run(units_dir: str | None, control: str | None, state_dir: str | None, health_listen: str | None,
-        log_format: str | None, log_file: str | None = None) -> int:
+        log_format: str | None, log_file: str | None = None,
+        cgroup_root: str | None = None) -> int:
     """The `omnid daemon` command. Returns the process exit code."""
     udir = os.path.abspath(units_dir or default_units_dir())
     try:
@@ -493,6 +497,13 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
         return 1
     # Taken out of the environment before the spawner is exec'd: units never see systemd's socket.
     daemon = Daemon(cfg, stack, ServiceNotifier())
+    # cgroup hook: find the root (flag > OMNID_CGROUP_ROOT > omnid.toml > delegation), check
+    # memory_max / tasks_max against it, and kill a previous daemon's unit cgroups.
+    try:
+        daemon.cgroups = cgroup_mod.start(cgroup_root, stack)
+    except cgroup_mod.CgroupError as exc:
+        print(f"omnid: {exc}", file=sys.stderr)
+        return 2
     previous = daemon.state.read()
     if previous:
         leftovers = find_leftovers(previous)

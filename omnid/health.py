@@ -13,6 +13,7 @@ import structlog
 from aiohttp import web
 
 from omnid.output import add_counters
+from omnid.cgroup import backend as cgroup_backend
 from omnid.supervisor import Supervisor, Unit
 from omnid.states import UnitState
 
@@ -102,6 +103,7 @@ class HealthServer:
             "status": status,
             "units": {u.name: {"state": u.state.value, "reason": unit_reason(u, degraded)}
                       for u in self.sup.units.values()},
+            **cgroup_backend(self.sup.cgroups),  # cgroup hook
         }
         return web.json_response(body, status=200 if status == "ok" else 503)
 
@@ -109,7 +111,8 @@ class HealthServer:
         return web.json_response({"status": "ok", "ts": time.time()})
 
     async def units(self, _req: web.Request) -> web.Response:
-        return web.json_response({"units": add_counters(self.sup.snapshot(), self.sup.units)})
+        return web.json_response({"units": add_counters(self.sup.snapshot(), self.sup.units),
+                                  **cgroup_backend(self.sup.cgroups)})
 
     async def unit(self, req: web.Request) -> web.Response:
         name = req.match_info["name"]
@@ -179,6 +182,7 @@ class HealthServer:
         metric("omnid_unit_processes", "gauge", "live processes in the unit's tree")
         for name, (_rss, _cpu, n) in usage.items():
             lines.append(f"omnid_unit_processes{lbl(unit=name)} {n}")
+        lines += self.sup.cgroups.metrics_lines(lbl) if self.sup.cgroups else []  # cgroup hook
         gpu = self.gpu_usage()
         if gpu:
             metric("omnid_unit_gpu_memory_bytes", "gauge", "GPU memory held by the unit's processes (NVML)")

@@ -42,6 +42,9 @@ class Invariants:
                 problems.append(f"{u.name}: {st.value} but its output pipe is open")
             if group_alive(u.last_pgid):
                 problems.append(f"{u.name}: {st.value} but process group {u.last_pgid} is not empty")
+            cg = self.cgroups.get(u.name) if self.cgroups else None
+            if cg is not None and cg.pids():  # cgroup hook: residue read from cgroup.procs
+                problems.append(f"{u.name}: {st.value} but cgroup {cg.path} holds pids {cg.pids()}")
         return problems
 
     def verify(self) -> list[str]:
@@ -59,6 +62,8 @@ class Invariants:
                 snap["gpu_mib"] = self.gpu_mib[n]
             if n in self.degraded:
                 snap["degraded"] = self.degraded[n]
+            if self.cgroups:
+                snap.update(self.cgroups.snapshot(n))  # cgroup hook
             out.append(snap)
         return out
 

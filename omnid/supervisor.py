@@ -32,7 +32,8 @@ from omnid.monitors import Monitors
 from omnid.output import UnitOutput
 from omnid.probes import ProbeFailed, http_probe, tcp_probe
 from omnid.process import DAEMON_TAG, UNIT_TAG, ProcessHandle
-from omnid.termination import ProcessGroupTarget, StopRecord, terminate
+from omnid.termination import ProcessGroupTarget, StopRecord, Target, terminate
+from omnid.cgroup import CgroupTarget, cgroup_limits
 from omnid.spawnclient import ExitReport, SpawnError, SpawnerClient, SpawnRequest
 from omnid.states import Goal, UnitState, check_transition
 from omnid.requests import OperatorRequests, Superseded  # noqa: F401 - Superseded is public here too
@@ -167,6 +168,7 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
         check_invariants: bool = False,
         gpu: object | None = None,
         echo_output: bool = True,
+        cgroups: object | None = None,
     ) -> None:
         self.stack = stack
         self.spawner = spawner
@@ -176,6 +178,7 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
         self.on_pids_changed = on_pids_changed or (lambda: None)
         self.check_invariants = check_invariants
         self.gpu = gpu
+        self.cgroups = cgroups  # omnid.cgroup.CgroupRoot or None (process groups)
         self.order: list[str] = [u.name for tier in stack.tiers() for u in tier]  # start order
         self.units: dict[str, Unit] = {}
         books = {g: RestartBook() for g in stack.groups}  # a worker group restarts as one
@@ -591,9 +594,16 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
             self._record_failure(u, held)
             self._transition(u, E.SPAWN_FAILED, self._failure_reason(u, held))
             return
+        try:  # cgroup hook: the instance's cgroup exists before the child joins it (pre-exec)
+            cg_path = self.cgroups.create(u.name, cgroup_limits(spec)).path if self.cgroups else None
+        except OSError as exc:
+            what = f"cannot create the unit's cgroup: {exc}"
+            self._record_failure(u, what)
+            self._transition(u, E.SPAWN_FAILED, self._failure_reason(u, what))
+            return
         r, w = os.pipe2(os.O_CLOEXEC)
         req = SpawnRequest(unit=u.name, argv=tuple(self._argv(spec)), env=self._env(u), cwd=spec.cwd,
-                           user=spec.user, group=spec.group, rlimits=tuple(spec.limits))
+                           user=spec.user, group=spec.group, rlimits=tuple(spec.limits), cgroup=cg_path)
         try:
             sp = await self.spawner.spawn(req, w)
         except SpawnError as exc:
@@ -778,6 +788,8 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
             rec = await terminate(target, sig, u.spec.kill_timeout, 0.0, send_cont=cont)
             if rec.unkillable:
                 log.error("unkillable processes after failure", unit=u.name, survivors=rec.unkillable)
+        if self.cgroups:
+            self.cgroups.release(u.name)  # cgroup hook: rmdir once populated 0
         u.death_detect_ms = (time.monotonic() - t_wake) * 1000
         self._transition(u, E.GONE if u.state is S.STOPPING else E.EXITED, self._failure_reason(u, what), failing=True)
 
@@ -822,8 +834,11 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
             final = f"{why}; UNKILLABLE: {'; '.join(rec.unkillable)}"
         self._transition(u, E.KILL_TIMEOUT if rec.unkillable else E.GONE, final)
 
-    def _target(self, u: Unit, h: ProcessHandle, orphans: list[int] | None = None) -> ProcessGroupTarget:
+    def _target(self, u: Unit, h: ProcessHandle, orphans: list[int] | None = None) -> Target:
         """What of this unit the kill policy acts on (a cgroup backend plugs in here)."""
+        cg = self.cgroups.get(u.name) if self.cgroups else None
+        if cg is not None:  # cgroup hook
+            return CgroupTarget(u.name, h, self.token, cg)
         return ProcessGroupTarget(u.name, h, self.spawner.pid, self.token, mains=self._by_pid.keys() - {h.pid},
                                   orphans=orphans)
 
@@ -835,6 +850,8 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
         gpu_on = self.gpu is not None and getattr(self.gpu, "available", False)
         every_pid = {h.pid, *(s.pid for s in target.members())} if gpu_on else set()
         rec = await terminate(target, first, spec.stop_timeout, spec.kill_timeout, send_cont=send_cont)
+        if self.cgroups:
+            self.cgroups.release(u.name)  # cgroup hook: rmdir once populated 0
         if gpu_on:
             rec.gpu_release_ms = await self._gpu_release(h.pid, list(every_pid), spec.kill_timeout)
         log.info("stopped", unit=u.name, signal=rec.signal, seconds=rec.seconds, escalated=rec.escalated,

@@ -175,6 +175,8 @@ class Unit:
     start_limit_burst: int = 5
     start_limit_interval: float = 60.0
     gpu_min_free_mib: int = 0
+    memory_max: int | str | None = None  # cgroup memory.max (systemd MemoryMax=); "max" = no limit
+    tasks_max: int | str | None = None  # cgroup pids.max (systemd TasksMax=)
 
     @property
     def dependencies(self) -> tuple[str, ...]:
@@ -216,6 +218,7 @@ class DaemonSettings:
     state_dir: Path | None = None
     health_listen: str | None = None  # "HOST:PORT", numeric host
     log_format: LogFormat | None = None
+    cgroup_root: Path | None = None  # omnid.cgroup: a writable cgroup v2 directory for the units
 
 
 @dataclass(frozen=True, eq=False)
@@ -383,6 +386,28 @@ def _integer(minimum: int) -> Callable[[Any], int]:
     return convert
 
 
+_SIZE = re.compile(r"([0-9]+)([KMGT]?)")
+
+
+def _cgroup_amount(*, bytes_: bool) -> Callable[[Any], int | str]:
+    """memory_max: bytes (integer, or "512M" / "8G" with K/M/G/T = 1024^n); tasks_max: an
+    integer; both accept "infinity" (written as "max"). Checked against the cgroup root at start."""
+    example = '"8G"' if bytes_ else "512"
+
+    def convert(value: Any) -> int | str:
+        if value == "infinity":
+            return "max"
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        if bytes_ and isinstance(value, str):
+            m = _SIZE.fullmatch(value)
+            if m and int(m.group(1)) >= 1:
+                return int(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " ")
+        raise _Invalid(f'expected a positive integer, {example} or "infinity", got {_describe(value)}')
+
+    return convert
+
+
 def _seconds(*, zero_ok: bool) -> Callable[[Any], float]:
     bound = ">= 0" if zero_ok else "> 0"
 
@@ -509,12 +534,13 @@ UNIT_KEYS = (
     "user", "group", "limits", "gpus", "ready", "ready_timeout", "liveness", "watchdog_sec",
     "stop_signal", "stop_timeout", "kill_timeout", "restart", "restart_sec", "restart_max_sec",
     "start_limit_burst", "start_limit_interval", "gpu_min_free_mib", "worker_group", "torch_distributed",
+    "memory_max", "tasks_max",
 )  # fmt: skip
 TORCH_DISTRIBUTED_KEYS = ("master_addr", "master_port")
 # The restart policy of a worker group is one policy: every member must declare the same.
 GROUP_POLICY_KEYS = ("restart", "restart_sec", "restart_max_sec", "start_limit_burst", "start_limit_interval")
 LIVENESS_KEYS = ("http", "interval", "timeout", "failures")
-SETTINGS_KEYS = ("control", "state_dir", "health_listen", "log_format")
+SETTINGS_KEYS = ("control", "state_dir", "health_listen", "log_format", "cgroup_root")
 
 
 @dataclass(frozen=True)
@@ -586,6 +612,8 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
         "gpu_min_free_mib": t.get("gpu_min_free_mib", 0, _integer(0)),
         "worker_group": t.get("worker_group", None, _group_name),
         "torch_distributed": None,
+        "memory_max": t.get("memory_max", None, _cgroup_amount(bytes_=True)),
+        "tasks_max": t.get("tasks_max", None, _cgroup_amount(bytes_=False)),
         "liveness": None,
     }
     td = raw.get("torch_distributed", False)
@@ -659,6 +687,7 @@ def _parse_settings(file: Path, raw: Mapping[str, Any], directory: Path, errors:
         state_dir=t.get("state_dir", None, path),
         health_listen=t.get("health_listen", None, listen),
         log_format=t.get("log_format", None, _choice(LogFormat)),
+        cgroup_root=t.get("cgroup_root", None, path),
     )
 
 
@@ -755,6 +784,8 @@ def _expand_unit(
         gpu_min_free_mib=v["gpu_min_free_mib"],
         worker_group=v["worker_group"],
         torch_distributed=v["torch_distributed"],
+        memory_max=v["memory_max"],
+        tasks_max=v["tasks_max"],
     )
 
 

@@ -75,8 +75,23 @@ def alive(pid: int) -> bool:
     return st is not None and st.state not in ("Z", "X")
 
 
+def remove_cgroup_tree(path: str | None, timeout: float = 10.0) -> None:
+    """Remove a test's own cgroup root: cgroup.kill what is left in it, wait for
+    populated 0, rmdir bottom-up. Fails loudly when it cannot."""
+    if not path or not os.path.isdir(path):
+        return
+    from omnid import cgroup as cgm
+
+    for dirpath, _d, _f in os.walk(path, topdown=False):
+        if dirpath != path and cgm.populated(dirpath):
+            cgm._write(os.path.join(dirpath, "cgroup.kill"), "1")
+    wait_for(lambda: not cgm.populated(path), timeout, f"cgroup {path} to empty")
+    assert cgm._rmtree(path), f"could not remove cgroup root {path}: {os.listdir(path)}"
+
+
 class Daemon:
-    def __init__(self, units_dir: Path | str, env: dict[str, str] | None = None, python: str | None = None) -> None:
+    def __init__(self, units_dir: Path | str, env: dict[str, str] | None = None, python: str | None = None,
+                 cgroup_root: str | None = None) -> None:
         self.units_dir = Path(units_dir)
         self.workdir = temp_dir("omd-")
         self.control = str(self.workdir / "c.sock")
@@ -89,12 +104,21 @@ class Daemon:
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
         self._n = 0
+        # cgroup backend (issue #10): an explicit root, or with OMNID_TEST_CGROUP=1 a fresh one
+        # per daemon below the cgroup2 mount, removed by close().
+        self.cgroup_root = cgroup_root
+        self._own_cgroup_root = False
+        if cgroup_root is None and self.env.get("OMNID_TEST_CGROUP") == "1":
+            from omnid.cgroup import cgroup2_mounts
+
+            self.cgroup_root = os.path.join(cgroup2_mounts()[0], f"omnid-test-{self.workdir.name}")
+            self._own_cgroup_root = True
 
     # -- life ---------------------------------------------------------------
     def argv(self) -> list[str]:
         return [self.python, "-m", "omnid", "--control", self.control, "daemon", "-u", str(self.units_dir),
                 "--state-dir", str(self.state_dir), "--health-listen", f"127.0.0.1:{self.health_port}",
-                "--log-format", "json"]
+                "--log-format", "json", *(["--cgroup-root", self.cgroup_root] if self.cgroup_root else [])]
 
     def start(self, wait: bool = True) -> "Daemon":
         self._log = open(self.log_path, "ab")
@@ -150,6 +174,8 @@ class Daemon:
             self._log.close()
         self.closed_log = self.log()
         shutil.rmtree(self.workdir, ignore_errors=True)
+        if self._own_cgroup_root:
+            remove_cgroup_tree(self.cgroup_root)
 
     def invariant_violations(self) -> list[str]:
         """State/kernel disagreements the daemon logged after its transitions

@@ -632,17 +632,13 @@ def backend(root: CgroupRoot | None) -> dict:
     return {"backend": "cgroup", "cgroup": root.path}
 
 
-def start(flag: str | None, stack) -> CgroupRoot | None:
-    """At daemon start, before the spawner exists: discover the root, refuse unit keys it
+def start(explicit: str | None, origin: str, stack) -> CgroupRoot | None:
+    """At daemon start, before the spawner exists: discover the root (`explicit`, as resolved by
+    omnid.settings from `origin`: flag, env or omnid.toml; else delegation), refuse unit keys it
     cannot honour (CgroupError naming unit and key), clean a previous daemon's cgroups."""
-    settings = getattr(stack, "settings", None)
-    toml_root = getattr(settings, "cgroup_root", None) if settings is not None else None
-    explicit, source = None, None
-    for value, where in ((flag, "--cgroup-root"), (os.environ.get("OMNID_CGROUP_ROOT"), "OMNID_CGROUP_ROOT"),
-                         (str(toml_root) if toml_root else None, f"cgroup_root in {getattr(settings, 'file', '')}")):
-        if value:
-            explicit, source = value, where
-            break
+    source = {"flag": "--cgroup-root", "env": "OMNID_CGROUP_ROOT",
+              "omnid.toml": f"cgroup_root in {getattr(stack.settings, 'file', 'omnid.toml')}"}.get(origin) \
+        if explicit else None
     try:
         root = discover(explicit, source or "")
     except CgroupError as exc:

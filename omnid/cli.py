@@ -121,7 +121,7 @@ def _launch_daemon(a: argparse.Namespace, cfg, t0: float) -> tuple[subprocess.Po
     argv = [sys.executable, "-m", "omnid", "--control", cfg.control, "daemon", "-u", cfg.units_dir,
             "--log-file", str(logfile)]
     for flag, value in (("--state-dir", a.state_dir), ("--health-listen", a.health_listen),
-                        ("--log-format", a.log_format)):
+                        ("--log-format", a.log_format), ("--cgroup-root", a.cgroup_root)):
         if value:
             argv += [flag, value]
     try:
@@ -451,15 +451,15 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--log-format", choices=["json", "console"],
                         help="daemon log lines (default: $OMNID_LOG_FORMAT, omnid.toml, console on a "
                              "terminal, else json)")
+        sp.add_argument("--cgroup-root", metavar="DIR",
+                        help="writable cgroup v2 directory for the units' cgroups (default: $OMNID_CGROUP_ROOT, "
+                             "omnid.toml, the delegated service cgroup under systemd, else process groups only)")
 
     d = sub.add_parser("daemon", help="run the daemon in the foreground (systemd's ExecStart)")
     d.add_argument("-u", "--units", metavar="DIR", help="stack directory (default: the built-in demo stack)")
     daemon_settings(d)
     d.add_argument("--log-file", metavar="PATH",
                    help="the file stderr goes to, rotated to PATH.1 beyond 8 MiB (omnid start sets it)")
-    d.add_argument("--cgroup-root", metavar="DIR",
-                   help="writable cgroup v2 directory for the units' cgroups (default: $OMNID_CGROUP_ROOT, "
-                        "omnid.toml, the delegated service cgroup under systemd, else process groups only)")
     d.set_defaults(func=cmd_daemon)
 
     s = sub.add_parser("start", help="start the daemon and the stack, or units of a running daemon")

@@ -466,7 +466,7 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
             print(f"  {err}", file=sys.stderr)
         return 2
     cfg = settings.resolve(units_dir=udir, control=control, state_dir=state_dir, health_listen=health_listen,
-                           log_format=log_format, stack_settings=stack.settings)
+                           log_format=log_format, cgroup_root=cgroup_root, stack_settings=stack.settings)
     logconfig.configure(cfg.log_format, log_file=log_file)
     linux.mark_fds_non_inheritable()
     try:
@@ -497,10 +497,10 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
         return 1
     # Taken out of the environment before the spawner is exec'd: units never see systemd's socket.
     daemon = Daemon(cfg, stack, ServiceNotifier())
-    # cgroup hook: find the root (flag > OMNID_CGROUP_ROOT > omnid.toml > delegation), check
-    # memory_max / tasks_max against it, and kill a previous daemon's unit cgroups.
+    # The cgroup root (resolved like every setting, else systemd delegation): check memory_max /
+    # tasks_max against it, and kill a previous daemon's unit cgroups.
     try:
-        daemon.cgroups = cgroup_mod.start(cgroup_root, stack)
+        daemon.cgroups = cgroup_mod.start(cfg.cgroup_root, cfg.source("cgroup_root"), stack)
     except cgroup_mod.CgroupError as exc:
         print(f"omnid: {exc}", file=sys.stderr)
         return 2

@@ -2,7 +2,7 @@
 
 Every daemon setting is taken from, in this order: the command-line flag, the
 environment (OMNID_CONTROL, OMNID_STATE_DIR, OMNID_HEALTH_LISTEN,
-OMNID_LOG_FORMAT), the stack's omnid.toml, the built-in default. `omnid start`
+OMNID_LOG_FORMAT, OMNID_CGROUP_ROOT), the stack's omnid.toml, the built-in default. `omnid start`
 resolves with this same function (to know where the daemon will put its socket
 and log) and hands the daemon only the flags the operator gave, so the daemon
 resolves to the same answer.
@@ -64,6 +64,7 @@ class DaemonConfig:
     state_dir: str
     health_listen: str
     log_format: str
+    cgroup_root: str | None = None  # None: delegation under systemd, else process groups (omnid.cgroup)
     # Where each value came from ("flag", "env", "omnid.toml", "default"): shown by
     # `omnid start` when it refuses, and checked by the tests.
     sources: tuple[tuple[str, str], ...] = ()
@@ -73,7 +74,8 @@ class DaemonConfig:
 
 
 def resolve(*, units_dir: str | None = None, control: str | None = None, state_dir: str | None = None,
-            health_listen: str | None = None, log_format: str | None = None, stack_settings=None,
+            health_listen: str | None = None, log_format: str | None = None, cgroup_root: str | None = None,
+            stack_settings=None,
             env: Mapping[str, str] | None = None) -> DaemonConfig:
     """Flags > environment > omnid.toml (``stack_settings``: a Stack's ``settings``) > defaults."""
     env = os.environ if env is None else env
@@ -96,10 +98,12 @@ def resolve(*, units_dir: str | None = None, control: str | None = None, state_d
         health_listen=pick("health_listen", health_listen, "OMNID_HEALTH_LISTEN", st and st.health_listen,
                            lambda: DEFAULT_HEALTH),
         log_format=pick("log_format", log_format, "OMNID_LOG_FORMAT", st and st.log_format, default_log_format),
+        cgroup_root=pick("cgroup_root", cgroup_root, "OMNID_CGROUP_ROOT", st and getattr(st, "cgroup_root", None),
+                         lambda: None),
         sources=(),
     )
     return DaemonConfig(cfg.units_dir, cfg.control, cfg.state_dir, cfg.health_listen, cfg.log_format,
-                        tuple(sources))
+                        cfg.cgroup_root, tuple(sources))
 
 
 def load_and_resolve(**flags) -> tuple[object, DaemonConfig]:

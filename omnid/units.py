@@ -40,7 +40,9 @@ RESERVED_ENV = frozenset({"OMNID_UNIT", "OMNID_INSTANCE", "OMNID_INSTANCES", "OM
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _REFERENCE = re.compile(r"(?P<template>[A-Za-z0-9][A-Za-z0-9_.-]*)(?:@(?P<instance>[0-9]+))?")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_SPECIFIER = re.compile(r"%[%inN]")
+# Only these: "%N" or "%s" in a unit's command (date +%s.%N) must reach it unchanged. The
+# instance count is in the environment instead (OMNID_INSTANCES).
+_SPECIFIER = re.compile(r"%[%in]")
 
 # torch.distributed's env:// rendezvous (set by omnid for `torch_distributed` units).
 TORCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -694,10 +696,9 @@ def _parse_settings(file: Path, raw: Mapping[str, Any], directory: Path, errors:
 # --------------------------------------------------------------------------- expansion
 
 
-def _expand(text: str, name: str, instance: int, instances: int = 1) -> str:
-    # Only %i, %n, %N and %% are specifiers; any other % stays as written (printf formats, dates).
-    return _SPECIFIER.sub(
-        lambda m: {"%%": "%", "%i": str(instance), "%n": name, "%N": str(instances)}[m.group()], text)
+def _expand(text: str, name: str, instance: int) -> str:
+    # Only %i, %n and %% are specifiers; any other % stays as written (printf formats, dates).
+    return _SPECIFIER.sub(lambda m: {"%%": "%", "%i": str(instance), "%n": name}[m.group()], text)
 
 
 def _instance_names(template: _Template) -> list[tuple[str, int]]:
@@ -715,7 +716,7 @@ def _expand_unit(
     errors: list[UnitFileError],
 ) -> Unit:
     v = template.values
-    x: Callable[[str], str] = lambda s: _expand(s, name, instance, template.instances)  # noqa: E731
+    x: Callable[[str], str] = lambda s: _expand(s, name, instance)  # noqa: E731
     t = _Table(template.file, {}, errors)  # only for t.error(): values here are already typed
 
     env = {k: x(val) for k, val in v["env"].items()}

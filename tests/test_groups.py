@@ -103,7 +103,7 @@ def _ranks_stack(progress: Path, n: int, *, group: bool, watchdog: float = 0, re
     if group:
         lines += ['worker_group = "job"', f"torch_distributed = {{ master_port = {port} }}"]
     else:  # the same job without the key: each rank is its own unit (what omnid did before)
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="%i", WORLD_SIZE="%N")
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="%i", WORLD_SIZE=str(n))
     if watchdog:
         lines.append(f"watchdog_sec = {watchdog}")
     lines.append("env = { " + ", ".join(f'{k} = "{v}"' for k, v in env.items()) + " }")
@@ -226,15 +226,15 @@ def _write(tmp_path: Path, files: dict[str, str]) -> Path:
     return tmp_path
 
 
-def test_worker_group_members_in_rank_order_and_percent_N(tmp_path):
+def test_worker_group_members_in_rank_order_and_instance_count(tmp_path):
     from omnid.units import load_stack
 
     stack = load_stack(_write(tmp_path, {"rank.toml": (
-        'exec = ["r", "--world", "%N"]\ninstances = 12\nworker_group = "tp"\n'
+        'exec = ["date", "+%s.%N"]\ninstances = 12\nworker_group = "tp"\n'
         'torch_distributed = { master_port = 29611 }\n')}))
     members = stack.groups["tp"]
     assert members == tuple(f"rank@{i}" for i in range(12))  # rank@10 after rank@9, not after rank@1
-    assert stack["rank@3"].exec == ("r", "--world", "12")
+    assert stack["rank@3"].exec == ("date", "+%s.%N")  # %N is date's, not a specifier
     assert stack["rank@3"].torch_distributed.master_port == 29611
     assert stack["rank@3"].environ({})["OMNID_INSTANCES"] == "12"
 

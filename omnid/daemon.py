@@ -31,7 +31,7 @@ from omnid.notify import NotifyServer
 from omnid.spawnclient import SpawnerClient, SpawnerGone
 from omnid.statefile import StateFile, find_leftovers, kill_leftovers
 from omnid.supervisor import StopRecord, Supervisor, UnitNotFound
-from omnid.tasks import DaemonTask
+from omnid.tasks import DaemonTask, report_crash
 from omnid.units import Stack, StackInvalid, check_stack, load_stack, parse_signal
 
 log = structlog.get_logger("omnid.daemon")
@@ -316,7 +316,7 @@ class Daemon:
                  health=self.cfg.health_listen, units=len(self.sup.units), spawner_pid=self.spawner.pid)
         if health_sock is not None:
             self.sup._kick()
-            self._health_task = loop.create_task(self._start_health(health_sock))
+            self._health_task = report_crash(loop.create_task(self._start_health(health_sock)), "health API start")
         await self.shutdown_requested.wait()
         log.info("stopping the stack")
         t0 = time.monotonic()

@@ -32,10 +32,11 @@ from omnid.monitors import Monitors
 from omnid.output import UnitOutput
 from omnid.probes import ProbeFailed, http_probe, tcp_probe
 from omnid.process import DAEMON_TAG, UNIT_TAG, ProcessHandle
-from omnid.termination import ProcessGroupTarget, StopRecord, terminate
+from omnid.requests import OperatorRequests, Superseded  # noqa: F401 - Superseded is public here too
 from omnid.spawnclient import ExitReport, SpawnError, SpawnerClient, SpawnRequest
 from omnid.states import Goal, UnitState, check_transition
-from omnid.requests import OperatorRequests, Superseded  # noqa: F401 - Superseded is public here too
+from omnid.tasks import report_crash
+from omnid.termination import ProcessGroupTarget, StopRecord, terminate
 from omnid.units import Stack
 from omnid.units import Unit as UnitSpec
 
@@ -244,7 +245,7 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
             async with self._changed:
                 self._changed.notify_all()
 
-        self._waker = asyncio.get_running_loop().create_task(wake())
+        self._waker = report_crash(asyncio.get_running_loop().create_task(wake()), "wait_until wake-up")
 
     async def wait_until(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
         async def waiter() -> None:

@@ -165,6 +165,7 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
         self._early_exits: dict[int, ExitReport] = {}
         self._early_notify: dict[int, list[dict[str, str]]] = {}  # session id -> messages before its spawn reply
         self._converge_pending = False
+        self._waiting_on_requirement: set[str] = set()  # inactive units whose reason names a requirement
         self._changed = asyncio.Condition()
         self._waker: asyncio.Task | None = None
         self.invariant_violations: list[str] = []
@@ -206,6 +207,10 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
         u.state = to
         u.reason = reason
         u.since = time.time()
+        if to is S.INACTIVE and reason.startswith("stopped: requires "):
+            self._waiting_on_requirement.add(u.name)
+        else:
+            self._waiting_on_requirement.discard(u.name)
         if to is not S.ACTIVE:
             u.ready = False
             self._stop_monitors(u)
@@ -308,7 +313,7 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
 
     def _refresh_waiting_reasons(self) -> None:
         """A unit stopped for a requirement keeps naming the current root cause."""
-        for name in self.order:
+        for name in list(self._waiting_on_requirement):
             u = self.units[name]
             if u.state is not S.INACTIVE or u.op is not None or not u.reason.startswith("stopped: requires "):
                 continue

@@ -719,7 +719,8 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
 
     def _target(self, u: Unit, h: ProcessHandle, orphans: list[int] | None = None) -> ProcessGroupTarget:
         """What of this unit the kill policy acts on (a cgroup backend plugs in here)."""
-        return ProcessGroupTarget(u.name, h, self.spawner.pid, self.token, mains=self._by_pid.keys() - {h.pid},
+        # mains: a live view, not a copy per stop (h.pid itself is skipped as the pgid).
+        return ProcessGroupTarget(u.name, h, self.spawner.pid, self.token, mains=self._by_pid.keys(),
                                   orphans=orphans)
 
     async def _terminate(self, u: Unit, h: ProcessHandle, first: int, *, send_cont: bool,

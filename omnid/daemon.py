@@ -34,7 +34,7 @@ from omnid.states import UnitState as S
 from omnid.statefile import StateFile, find_leftovers, kill_leftovers
 from omnid import cgroup as cgroup_mod
 from omnid.supervisor import StopRecord, Supervisor, UnitNotFound
-from omnid.tasks import DaemonTask
+from omnid.tasks import DaemonTask, report_crash
 from omnid.units import Stack, StackInvalid, check_stack, load_stack, parse_signal
 
 log = structlog.get_logger("omnid.daemon")
@@ -359,7 +359,7 @@ class Daemon:
             self.service.status(f"starting: {self._progress()}")
             self.service.start_watchdog()
             self.sup._kick()
-            self._health_task = loop.create_task(self._start_health(health_sock))
+            self._health_task = report_crash(loop.create_task(self._start_health(health_sock)), "health API start")
             startup_task = loop.create_task(self._watch_startup())
             startup_task.add_done_callback(self._report_task)
         await self.shutdown_requested.wait()

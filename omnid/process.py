@@ -51,13 +51,21 @@ class ProcessHandle:
         p.register(self.pidfd, select.POLLIN)
         return not p.poll(0)
 
+    def _leader_is_our_zombie(self) -> bool:
+        """Exited but not reaped yet: the zombie still holds the pid, so the group number
+        cannot have been reused (one stat read, instead of a /proc scan)."""
+        if self.pidfd < 0 or self.reaped.is_set():
+            return False
+        st = linux.read_stat(self.pid)
+        return st is not None and st.state == "Z" and st.start_time == self.start_time
+
     def signal_group(self, sig: int, token: str | None = None) -> bool:
         """Signal the unit's whole process group (recorded at spawn: getpgid fails once
         the leader is gone) -- by number only while the leader's pidfd proves the group
         is still ours. After the leader died, a bare pgid may name someone else's group
         (pid reuse): then only members that carry this unit's tag are signalled, each
         through a pidfd, and the main process through its own pidfd."""
-        if self.leader_alive():
+        if self.leader_alive() or self._leader_is_our_zombie():
             try:
                 os.killpg(self.pgid, sig)
                 return True

@@ -45,9 +45,13 @@ class OperatorRequests:
 
     def _overtaken(self, claims: dict[str, int]) -> tuple[str, list[str]] | None:
         """(what overtook, which units) if another request changed these units' goal."""
-        hit = [n for n, seq in claims.items() if self.units[n].goal_seq != seq]
-        if not hit:
+        units = self.units
+        for n, seq in claims.items():  # the common answer is "no": stop at the first change
+            if units[n].goal_seq != seq:
+                break
+        else:
             return None
+        hit = [n for n, seq in claims.items() if units[n].goal_seq != seq]
         return self.units[hit[0]].goal_by, hit
 
     def _settled_up(self, u: Unit) -> bool:

@@ -32,11 +32,12 @@ from omnid.monitors import Monitors
 from omnid.output import UnitOutput
 from omnid.probes import ProbeFailed, http_probe, tcp_probe
 from omnid.process import DAEMON_TAG, UNIT_TAG, ProcessHandle
-from omnid.termination import ProcessGroupTarget, StopRecord, Target, terminate
+from omnid.requests import OperatorRequests, Superseded  # noqa: F401 - Superseded is public here too
 from omnid.cgroup import CgroupTarget, cgroup_limits
 from omnid.spawnclient import ExitReport, SpawnError, SpawnerClient, SpawnRequest
 from omnid.states import Goal, UnitState, check_transition
-from omnid.requests import OperatorRequests, Superseded  # noqa: F401 - Superseded is public here too
+from omnid.tasks import report_crash
+from omnid.termination import ProcessGroupTarget, StopRecord, Target, terminate
 from omnid.units import Stack
 from omnid.units import Unit as UnitSpec
 
@@ -194,6 +195,7 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
         self._early_exits: dict[int, ExitReport] = {}
         self._early_notify: dict[int, list[dict[str, str]]] = {}  # session id -> messages before its spawn reply
         self._converge_pending = False
+        self._waiting_on_requirement: set[str] = set()  # inactive units whose reason names a requirement
         self._changed = asyncio.Condition()
         self._waker: asyncio.Task | None = None
         self.invariant_violations: list[str] = []
@@ -237,6 +239,10 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
         u.state = to
         u.reason = reason
         u.since = time.time()
+        if to is S.INACTIVE and reason.startswith("stopped: requires "):
+            self._waiting_on_requirement.add(u.name)
+        else:
+            self._waiting_on_requirement.discard(u.name)
         if to is not S.ACTIVE:
             u.ready = False
             self._stop_monitors(u)
@@ -279,7 +285,7 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
             async with self._changed:
                 self._changed.notify_all()
 
-        self._waker = asyncio.get_running_loop().create_task(wake())
+        self._waker = report_crash(asyncio.get_running_loop().create_task(wake()), "wait_until wake-up")
 
     async def wait_until(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
         async def waiter() -> None:
@@ -344,7 +350,7 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
 
     def _refresh_waiting_reasons(self) -> None:
         """A unit stopped for a requirement keeps naming the current root cause."""
-        for name in self.order:
+        for name in list(self._waiting_on_requirement):
             u = self.units[name]
             if u.state is not S.INACTIVE or u.op is not None or not u.reason.startswith("stopped: requires "):
                 continue
@@ -839,7 +845,8 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
         cg = self.cgroups.get(u.name) if self.cgroups else None
         if cg is not None:  # cgroup hook
             return CgroupTarget(u.name, h, self.token, cg)
-        return ProcessGroupTarget(u.name, h, self.spawner.pid, self.token, mains=self._by_pid.keys() - {h.pid},
+        # mains: a live view, not a copy per stop (h.pid itself is skipped as the pgid).
+        return ProcessGroupTarget(u.name, h, self.spawner.pid, self.token, mains=self._by_pid.keys(),
                                   orphans=orphans)
 
     async def _terminate(self, u: Unit, h: ProcessHandle, first: int, *, send_cont: bool,

@@ -41,6 +41,20 @@ def unit_task(coro: Awaitable[None], *, unit: str, kind: str,
     return task
 
 
+def report_crash(task: asyncio.Task, name: str) -> asyncio.Task:
+    """For a one-shot task that cannot be restarted (the health API start-up, the
+    waiter wake-up): its crash is logged the moment it happens, not at shutdown."""
+
+    def done(t: asyncio.Task) -> None:
+        if not t.cancelled() and t.exception() is not None:
+            exc = t.exception()
+            log.error("task crashed", task=name, error=f"{type(exc).__name__}: {exc}",
+                      exc_info=(type(exc), exc, exc.__traceback__))
+
+    task.add_done_callback(done)
+    return task
+
+
 class DaemonTask:
     """A daemon-wide task that is restarted when it dies of an unexpected exception."""
 

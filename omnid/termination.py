@@ -87,6 +87,7 @@ class ProcessGroupTarget:
         self.mains = mains
         self._orphans = orphans
         self._group_ours = True  # until the leader is reaped
+        self._extra: list[Survivor] | None = None
 
     def _residue(self, members: bool, children: list[int] | None = None) -> list[Survivor]:
         ours = self._group_ours and not self.h.reaped.is_set()
@@ -94,10 +95,12 @@ class ProcessGroupTarget:
                             mains=self.mains, children=children, group_ours=ours)
 
     def signal_all(self, sig: int) -> None:
-        extra = self._residue(members=False, children=self._orphans)
-        self._orphans = None  # a list read for a whole tier is good for the first signal only
+        # Escaped orphans are looked up once per stop (from the tier's list when given):
+        # the SIGCONT right after the first signal goes to the same ones.
+        if self._extra is None:
+            self._extra = self._residue(members=False, children=self._orphans)
         self.h.signal_group(sig, self.token)
-        kill_survivors(extra, sig)
+        kill_survivors(self._extra, sig)
 
     def kill_all(self) -> None:
         self.h.signal(signal.SIGKILL)

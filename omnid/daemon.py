@@ -12,6 +12,7 @@ import asyncio
 import fcntl
 import gc
 import importlib
+import math
 import os
 import secrets
 import signal
@@ -28,6 +29,7 @@ import zmq.asyncio
 from omnid import linux, logconfig
 from omnid.control import ControlError, ControlServer, prepare_socket_dir
 from omnid.notify import NotifyServer
+from omnid.ownership import UnsafePath, check_private_dir, raise_nofile_limit
 from omnid.spawnclient import SpawnerClient, SpawnerGone
 from omnid.statefile import StateFile, find_leftovers, kill_leftovers
 from omnid.supervisor import StopRecord, Supervisor, UnitNotFound
@@ -37,6 +39,7 @@ from omnid.units import Stack, StackInvalid, check_stack, load_stack, parse_sign
 log = structlog.get_logger("omnid.daemon")
 
 DEFAULT_HEALTH = "127.0.0.1:9321"
+MAX_TIMEOUT_S = 86400.0  # a control request's "timeout": at most a day (omnid-control(7))
 
 
 def bind_listener(listen: str) -> socket.socket:
@@ -175,8 +178,10 @@ class Daemon:
         t = args.get("timeout")
         if t is None:
             return None
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
-            raise ControlError("bad_request", f"\"timeout\" must be a positive number of seconds, got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) \
+                or t <= 0 or t > MAX_TIMEOUT_S:
+            raise ControlError("bad_request", f"\"timeout\" must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}, "
+                                              f"got {str(t)[:60]!r}")
         return float(t)
 
     def _known(self, names: list[str] | None) -> None:
@@ -412,8 +417,16 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
         pass
     state_dir_path = Path(cfg.state_dir)
     try:
-        state_dir_path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        lock_fd = os.open(state_dir_path / "daemon.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if not os.path.lexists(state_dir_path):
+            state_dir_path.mkdir(parents=True, mode=0o700)
+            os.chmod(state_dir_path, 0o700)
+        # A state directory another user can write would let them list pids for us to kill.
+        check_private_dir(state_dir_path, "state directory")
+        lock_fd = os.open(state_dir_path / "daemon.lock",
+                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except UnsafePath as exc:
+        print(f"omnid: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"omnid: cannot use state dir {cfg.state_dir}: {exc}", file=sys.stderr)
         return 1
@@ -442,6 +455,9 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
                 log.error("leftovers of a previous daemon survived SIGKILL", processes=alive)
     # Start the spawner by exec while this process has no threads yet.
     daemon.spawner.launch()
+    # After the spawner's exec, so units keep the usual soft limit: health connections,
+    # pidfds and pipes must not run libzmq out of fds (it aborts on EMFILE).
+    raise_nofile_limit()
     try:
         return asyncio.run(daemon.run())
     except SpawnerGone as exc:

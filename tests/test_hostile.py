@@ -1,0 +1,213 @@
+"""Issue #9: hostile input and hostile neighbours. Every test attacks omnid through a
+public interface (directories, state file, unit files, sockets, health port) with a
+real second user (`omnidtest`, created with useradd when missing) and checks the kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from omnid import linux
+from tests.harness import Daemon, alive, make_stack, wait_for
+
+PY = sys.executable
+REPO = Path(__file__).resolve().parent.parent
+OTHER = "omnidtest"
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a second user, chown)")
+
+
+@pytest.fixture(scope="session")
+def other_uid() -> int:
+    try:
+        return pwd.getpwnam(OTHER).pw_uid
+    except KeyError:
+        subprocess.run(["useradd", "-M", "-r", OTHER], check=True)
+        return pwd.getpwnam(OTHER).pw_uid
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO))
+
+
+def omnid(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "omnid", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env(), cwd=str(REPO))
+
+
+SLEEPER = {"a": 'exec = ["sleep", "1000"]\n'}
+
+
+@pytest.fixture
+def daemon():
+    made: list[Daemon] = []
+
+    def make(units: dict[str, str] | None = None) -> Daemon:
+        d = Daemon(make_stack(units or SLEEPER), env={"PYTHONPATH": str(REPO)})
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.close()
+        shutil.rmtree(d.units_dir, ignore_errors=True)
+
+
+def expect_refused(d: Daemon, *needles: str) -> str:
+    d.start(wait=False)
+    rc = d.wait_exit(30)
+    log = d.log()
+    assert rc != 0, f"daemon accepted it:\n{log}"
+    for n in needles:
+        assert n in log, f"{n!r} not in:\n{log}"
+    return log
+
+
+# ------------------------------------------------------------------ 1. ownership
+def test_control_dir_owned_by_another_user_is_refused_at_daemon_start(daemon, other_uid):
+    d = daemon()
+    cdir = d.workdir / "ctl"
+    cdir.mkdir(mode=0o700)
+    os.chown(cdir, other_uid, -1)
+    d.control = str(cdir / "c.sock")
+    expect_refused(d, str(cdir), OTHER, "0700")
+    assert not os.path.exists(d.control)
+
+
+def test_control_dir_world_writable_is_refused_at_daemon_start(daemon):
+    d = daemon()
+    cdir = d.workdir / "ctl"
+    cdir.mkdir()
+    os.chmod(cdir, 0o777)
+    d.control = str(cdir / "c.sock")
+    expect_refused(d, str(cdir), "0777", "writable")
+
+
+def test_cli_refuses_a_control_dir_owned_by_another_user(other_uid, tmp_path):
+    cdir = tmp_path / "ctl"
+    cdir.mkdir(mode=0o700)
+    os.chown(cdir, other_uid, -1)
+    # The attacker's "daemon": a listening socket in their directory.
+    import socket as so
+    srv = so.socket(so.AF_UNIX, so.SOCK_STREAM)
+    srv.bind(str(cdir / "c.sock"))
+    srv.listen(1)
+    try:
+        r = omnid("--control", str(cdir / "c.sock"), "status")
+    finally:
+        srv.close()
+    assert r.returncode == 1, r
+    assert str(cdir) in r.stderr and OTHER in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_state_dir_owned_by_another_user_is_refused_at_daemon_start(daemon, other_uid):
+    d = daemon()
+    d.state_dir.mkdir(mode=0o700)
+    os.chown(d.state_dir, other_uid, -1)
+    expect_refused(d, str(d.state_dir), OTHER)
+
+
+def test_state_dir_group_writable_is_refused_at_daemon_start(daemon):
+    d = daemon()
+    d.state_dir.mkdir()
+    os.chmod(d.state_dir, 0o770)
+    expect_refused(d, str(d.state_dir), "0770")
+
+
+def test_state_file_pid_with_matching_start_time_but_no_token_is_not_killed(daemon):
+    victim = subprocess.Popen(["sleep", "1000"])
+    try:
+        d = daemon()
+        d.state_dir.mkdir(mode=0o700)
+        st = linux.read_stat(victim.pid)
+        (d.state_dir / "state.json").write_text(json.dumps({
+            "token": "0123456789abcdef",
+            "processes": {"a": {"pid": victim.pid, "start_time": st.start_time, "pgid": st.pgid}}}))
+        d.start()
+        d.wait_state("a", "active")
+        assert alive(victim.pid), f"the daemon killed a process listed in the state file:\n{d.log()}"
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_state_file_write_does_not_follow_a_planted_symlink(tmp_path):
+    from omnid.statefile import StateFile
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    sdir = tmp_path / "state"
+    sdir.mkdir(mode=0o700)
+    for planted in ("state.tmp", ".state.tmp", "state.json.tmp"):
+        os.symlink(victim, sdir / planted)
+    sf = StateFile(sdir)
+    sf.write({"token": "0123456789abcdef", "processes": {}})
+    assert victim.read_text() == "precious"
+    assert json.loads((sdir / "state.json").read_text())["token"] == "0123456789abcdef"
+    assert not [p for p in os.listdir(sdir) if p.endswith(".tmp") and not os.path.islink(sdir / p)]
+    # A symlink planted at the state file itself is not read through either.
+    (sdir / "state.json").unlink()
+    os.symlink(victim, sdir / "state.json")
+    assert sf.read() is None
+
+
+MALFORMED = {
+    "processes_is_a_list": json.dumps({"token": "0123456789abcdef", "processes": []}),
+    "entry_is_a_string": json.dumps({"token": "0123456789abcdef", "processes": {"a": "pid 1"}}),
+    "bad_json": '{"token": "0123',
+    "not_an_object": "[1, 2, 3]",
+    "deeply_nested": "[" * 100000 + "]" * 100000,
+    "huge_file": json.dumps({"token": "0123456789abcdef", "pad": "x" * (2 << 20)}),
+    "pid_is_a_string": json.dumps({"token": "0123456789abcdef", "processes": {"a": {"pid": "1", "start_time": 1}}}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_state_file_is_ignored_and_the_daemon_starts(daemon, case):
+    d = daemon()
+    d.state_dir.mkdir(mode=0o700)
+    (d.state_dir / "state.json").write_text(MALFORMED[case])
+    d.start()
+    d.wait_state("a", "active")
+    log = d.log()
+    assert "Traceback" not in log, log
+    warnings = [e for e in d.log_events() if "state file" in str(e.get("event", ""))]
+    assert len(warnings) == 1, f"expected one log line about the state file, got {warnings}"
+
+
+def test_unit_file_world_writable_is_refused_by_check_and_daemon(daemon):
+    d = daemon()
+    f = d.units_dir / "a.toml"
+    os.chmod(f, 0o666)
+    r = omnid("check", "-u", str(d.units_dir))
+    assert r.returncode == 2, r
+    assert str(f) in r.stdout + r.stderr and "0666" in r.stdout + r.stderr, r
+    expect_refused(d, str(f), "0666")
+
+
+def test_units_dir_owned_by_another_user_is_refused_by_check(other_uid):
+    stack = make_stack(SLEEPER)
+    try:
+        os.chown(stack, other_uid, -1)
+        r = omnid("check", "-u", str(stack))
+        out = r.stdout + r.stderr
+        assert r.returncode == 2, r
+        assert str(stack) in out and OTHER in out and "Traceback" not in out, out
+        os.chown(stack, 0, -1)
+        os.chown(stack / "a.toml", other_uid, -1)
+        r = omnid("check", "-u", str(stack))
+        assert r.returncode == 2 and OTHER in r.stdout + r.stderr, r
+    finally:
+        shutil.rmtree(stack)

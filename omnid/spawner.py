@@ -97,6 +97,13 @@ def _child_setup_and_exec(req: dict, out_fd: int, err_w: int, spawner_pid: int) 
                 os.setgid(pw.pw_gid)
             os.initgroups(pw.pw_name, os.getgid())
             os.setuid(pw.pw_uid)
+        if req.get("user") or req.get("group"):
+            # The kernel clears PDEATHSIG when credentials change: arm it again now,
+            # then make sure the spawner did not die in between (issue #9).
+            stage = "prctl(PR_SET_PDEATHSIG) after the uid/gid switch"
+            linux.set_pdeathsig(signal.SIGKILL)
+            if os.getppid() != spawner_pid:
+                os._exit(1)
         stage = "exec"
         argv = req["argv"]
         os.execvpe(argv[0], argv, req["env"])

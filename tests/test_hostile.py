@@ -211,3 +211,25 @@ def test_units_dir_owned_by_another_user_is_refused_by_check(other_uid):
         assert r.returncode == 2 and OTHER in r.stdout + r.stderr, r
     finally:
         shutil.rmtree(stack)
+
+
+# ------------------------------------------------------------------ 2. user= units die with the spawner
+def test_user_unit_dies_when_daemon_and_spawner_are_sigkilled(daemon, other_uid):
+    d = daemon({"a": f'exec = ["sleep", "1000"]\nuser = "{OTHER}"\n'})
+    d.start()
+    u = d.wait_state("a", "active")
+    pid = u["pid"]
+    st = linux.read_stat(pid)
+    assert st is not None and os.stat(f"/proc/{pid}").st_uid == other_uid
+    spawner = st.ppid
+    # SIGKILL both: no cleanup path runs, only the kernel's PDEATHSIG can take the unit down.
+    os.kill(spawner, signal.SIGKILL)
+    os.kill(d.pid, signal.SIGKILL)
+    d.wait_exit(10)
+    t0 = time.monotonic()
+    try:
+        wait_for(lambda: not alive(pid), 1.0, f"user unit pid {pid} to die with its spawner")
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert time.monotonic() - t0 < 1.0

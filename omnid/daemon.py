@@ -30,6 +30,7 @@ from omnid import linux, logconfig
 from omnid.control import ControlError, ControlServer, prepare_socket_dir
 from omnid.notify import NotifyServer
 from omnid.ownership import UnsafePath, check_private_dir, raise_nofile_limit
+from omnid.process import DAEMON_TAG, UNIT_TAG
 from omnid.spawnclient import SpawnerClient, SpawnerGone
 from omnid.statefile import StateFile, find_leftovers, kill_leftovers
 from omnid.supervisor import StopRecord, Supervisor, UnitNotFound
@@ -201,7 +202,8 @@ class Daemon:
         units = [s for s in self.sup.snapshot() if wanted is None or s["name"] in wanted]
         out: dict = {"units": units, "daemon": {"pid": os.getpid(), "spawner_pid": self.spawner.pid,
                                                "units_dir": self.cfg.units_dir, "since": self.sup.started_at,
-                                               "shutting_down": self.sup.shutting_down}}
+                                               "shutting_down": self.sup.shutting_down,
+                                               "notify": dict(self.notify.counters) if self.notify else {}}}
         if args.get("verify"):
             problems = self.sup.verify()
             if problems:
@@ -287,7 +289,7 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         await self.spawner.attach()
-        self.notify = NotifyServer(self.token, self._on_notify)
+        self.notify = NotifyServer(self.token, self._on_notify, attribute=self._notify_sender)
         self.notify.start()
         from omnid import gpu as gpu_mod
 
@@ -369,7 +371,8 @@ class Daemon:
         assert self.sup is not None
         health_mod = await asyncio.to_thread(importlib.import_module, "omnid.health")
         self.health = health_mod.HealthServer(self.sup, self.cfg.health_listen, degraded=lambda: self.sup.degraded,
-                                              gpu_usage=lambda: self.sup.gpu_mib)
+                                              gpu_usage=lambda: self.sup.gpu_mib,
+                                              notify_counters=lambda: self.notify.counters if self.notify else {})
         await self.health.start(sock)
         # Everything allocated so far (modules, sockets, units) lives as long as the
         # daemon: keep it out of the cyclic GC, whose full passes over it cost tens of
@@ -389,6 +392,28 @@ class Daemon:
             return
         log.info("signal received: stopping the stack in order", signal=linux.signal_name(sig))
         self.shutdown_requested.set()
+
+    def _notify_sender(self, pid: int) -> str | None:
+        """The unit whose own process sent a notify datagram (by process group or session,
+        as the supervisor attributes it), or None: anyone else's message is dropped."""
+        if self.sup is None:
+            return None
+        st = linux.read_stat(pid)
+        if st is None:
+            return None
+        pending = False
+        for u in self.sup.units.values():
+            if u.proc is not None:
+                if u.proc.pgid in (st.pgid, st.sid):
+                    return u.name
+            elif u.op_kind == "start":
+                pending = True
+        if pending:
+            # READY=1 can come before the spawner's reply: the environment proves it ours.
+            tag = linux.read_environ_var(pid, UNIT_TAG)
+            if tag in self.sup.units and linux.read_environ_var(pid, DAEMON_TAG) == self.token:
+                return tag
+        return None
 
     def _on_notify(self, pid: int, fields: dict[str, str]) -> None:
         if self.sup is not None:

@@ -64,13 +64,15 @@ def group_usage(u: Unit) -> tuple[int, float, int]:
 
 class HealthServer:
     def __init__(self, sup: Supervisor, listen: str, degraded: Callable[[], dict[str, str]] | None = None,
-                 gpu_usage: Callable[[], dict[str, float]] | None = None) -> None:
+                 gpu_usage: Callable[[], dict[str, float]] | None = None,
+                 notify_counters: Callable[[], dict[str, int]] | None = None) -> None:
         self.sup = sup
         host, _, port = listen.rpartition(":")
         self.host = host.strip("[]") or "127.0.0.1"
         self.port = int(port)
         self.degraded = degraded or (lambda: {})
         self.gpu_usage = gpu_usage or (lambda: {})
+        self.notify_counters = notify_counters or (lambda: {})
         self.app = web.Application()
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/health/live", self.live)
@@ -177,5 +179,10 @@ class HealthServer:
         lines.append(f"omnid_daemon_threads {me.num_threads()}")
         metric("omnid_invariant_violations_total", "counter", "state/kernel disagreements found after transitions")
         lines.append(f"omnid_invariant_violations_total {len(self.sup.invariant_violations)}")
+        notify = self.notify_counters()  # issue #9: dropped notify datagrams, by reason
+        if notify:
+            metric("omnid_notify_datagrams_total", "counter", "notify datagrams received, accepted or dropped")
+            for what, n in notify.items():
+                lines.append(f"omnid_notify_datagrams_total{lbl(outcome=what)} {n}")
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})

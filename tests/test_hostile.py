@@ -233,3 +233,78 @@ def test_user_unit_dies_when_daemon_and_spawner_are_sigkilled(daemon, other_uid)
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
     assert time.monotonic() - t0 < 1.0
+
+
+# ------------------------------------------------------------------ 3. notify socket
+def notify_address(pid: int) -> str:
+    addr = linux.read_environ_var(pid, "NOTIFY_SOCKET")
+    assert addr and addr.startswith("@"), addr
+    return addr
+
+
+FLOODER = r'''
+import os, socket, sys, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+addr = "\0" + os.environ["NOTIFY_SOCKET"][1:]
+s.sendto(b"READY=1", addr)
+for i in range(int(sys.argv[1])):
+    s.sendto(b"READY=1\nSTATUS=%d" % i, addr)
+open(sys.argv[2], "w").write("done")
+time.sleep(1000)
+'''
+
+
+SENDER = r'''
+import os, socket, sys
+addr, n, msg = "\0" + sys.argv[1][1:], int(sys.argv[2]), sys.argv[3].encode()
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+for _ in range(n):
+    s.sendto(msg, addr)
+'''
+
+
+def test_notify_from_another_users_process_is_dropped_counted_and_not_logged(daemon, other_uid, tmp_path):
+    prog = tmp_path / "flood.py"
+    prog.write_text(FLOODER)
+    d = daemon({"a": f'exec = ["{PY}", "{prog}", "0", "{tmp_path / "done"}"]\nready = "notify"\n'})
+    d.start()
+    u = d.wait_state("a", "active")
+    addr = notify_address(u["pid"])
+    log_before = len(d.log())
+    accepted_before = d.ok("status")["daemon"]["notify"]["accepted"]  # the unit's own READY=1
+    n = 5000
+    subprocess.run(["setpriv", f"--reuid={OTHER}", f"--regid={OTHER}", "--clear-groups", PY, "-c", SENDER,
+                    addr, str(n), "STATUS=pwned\nREADY=1"], check=True, timeout=60, cwd="/")
+    counters = wait_for(lambda: (c := d.ok("status")["daemon"]["notify"])["dropped_foreign"] >= n and c, 10,
+                        f"{n} foreign datagrams to be counted (log:\n{d.log()[-2000:]})")
+    assert counters["accepted"] == accepted_before, counters
+    assert d.unit("a")["status_text"] != "pwned", d.unit("a")
+    grown = len(d.log()) - log_before
+    assert grown < 2000, f"the daemon logged {grown} bytes for {n} foreign datagrams:\n{d.log()[-3000:]}"
+    code, text = d.http("/metrics")
+    assert f'omnid_notify_datagrams_total{{outcome="dropped_foreign"}} {counters["dropped_foreign"]}' in text
+
+
+
+
+def test_notify_flood_from_a_unit_is_rate_limited_and_death_still_detected(daemon, tmp_path):
+    prog = tmp_path / "flood.py"
+    prog.write_text(FLOODER)
+    done = tmp_path / "done"
+    d = daemon({"flood": f'exec = ["{PY}", "{prog}", "50000", "{done}"]\nready = "notify"\n',
+                "victim": 'exec = ["sleep", "1000"]\n'})
+    d.start()
+    victim = d.wait_state("victim", "active")
+    d.wait_state("flood", "active")
+    # Mid-flood: kill the victim; the loop must see its death promptly.
+    wait_for(lambda: d.ok("status")["daemon"]["notify"]["received"] > 1000, 20, "the flood to start")
+    os.kill(victim["pid"], signal.SIGKILL)
+    t0 = time.monotonic()
+    wait_for(lambda: d.http("/health")[0] == 503, 5, "/health to say 503 after a death during a notify flood")
+    seen = time.monotonic() - t0
+    wait_for(done.exists, 120, "the flood to end")
+    c = wait_for(lambda: (c := d.ok("status")["daemon"]["notify"])["received"] >= 50000 and c, 60,
+                 "all datagrams to be read")
+    assert c["dropped_rate"] > 40000, c
+    assert c["dropped_foreign"] == 0, c
+    assert seen < 1.0, f"death during the notify flood took {seen:.3f} s to show on /health"

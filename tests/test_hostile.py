@@ -308,3 +308,58 @@ def test_notify_flood_from_a_unit_is_rate_limited_and_death_still_detected(daemo
     assert c["dropped_rate"] > 40000, c
     assert c["dropped_foreign"] == 0, c
     assert seen < 1.0, f"death during the notify flood took {seen:.3f} s to show on /health"
+
+
+# ------------------------------------------------------------------ 4. health connection flood
+def daemon_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def accept_queue(port: int) -> int:
+    out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True).stdout.split()
+    return int(out[1]) if len(out) > 1 else 0
+
+
+def poll_queue(port: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if accept_queue(port) == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_health_connection_flood_neither_kills_the_daemon_nor_stops_omnid_status(daemon):
+    import resource
+    import socket as so
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    d = daemon({"a": 'exec = ["sleep", "1000"]\n', "b": 'exec = ["sleep", "1000"]\n'})
+    # The attack as reported: the daemon starts with the usual soft limit of 1024.
+    d.argv = (lambda argv: lambda: ["prlimit", f"--nofile=1024:{hard}", "--", *argv()])(d.argv)
+    d.start()
+    d.wait_all_active()
+    pids = {n: u["pid"] for n, u in d.units().items()}
+    conns = []
+    try:
+        for _ in range(1100):
+            c = so.socket(so.AF_INET, so.SOCK_STREAM)
+            c.setblocking(False)
+            c.connect_ex(("127.0.0.1", d.health_port))
+            conns.append(c)
+        # Let the daemon accept (or refuse) every queued connection: the listener's queue drains.
+        drained = poll_queue(d.health_port)
+        fds = daemon_fds(d.pid)
+        print(f"accept queue drained: {drained}; daemon fds during the flood: {fds}")
+        r = omnid("--control", d.control, "status", timeout=30)
+        assert d.proc.poll() is None, f"daemon died during the flood (rc {d.proc.returncode}):\n{d.log()[-3000:]}"
+        assert r.returncode == 0, f"omnid status failed during the flood: {r}\n{d.log()[-3000:]}"
+        assert fds < 400, f"the daemon holds {fds} fds during a health connection flood (cap: 256 connections)"
+    finally:
+        for c in conns:
+            c.close()
+    assert all(alive(p) for p in pids.values())
+    wait_for(lambda: d.http("/health")[0] == 200, 15, "/health to answer again after the flood")
+    code, text = d.http("/metrics")
+    assert "omnid_health_connections_refused_total" in text

@@ -40,6 +40,7 @@ from omnid.units import Stack, StackInvalid, check_stack, load_stack, parse_sign
 log = structlog.get_logger("omnid.daemon")
 
 DEFAULT_HEALTH = "127.0.0.1:9321"
+CHECK_TIMEOUT_S = 30.0  # the `check` request (omnid-control(7))
 MAX_TIMEOUT_S = 86400.0  # a control request's "timeout": at most a day (omnid-control(7))
 
 
@@ -248,10 +249,18 @@ class Daemon:
         if not isinstance(unit, str) or not unit:
             raise ControlError("bad_request", "kill needs \"unit\": a unit name")
         self._known([unit])
-        try:
-            sig = int(parse_signal(args.get("signal", "SIGTERM")))
-        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's error
-            raise ControlError("bad_request", f"bad \"signal\": {exc}") from None
+        raw = args.get("signal", "SIGTERM")
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            # omnid-control(7): a name or a number. Any signal the kernel knows, 0 excluded.
+            if not 1 <= raw <= signal.SIGRTMAX:
+                raise ControlError("bad_request", f"bad \"signal\": {raw} is not a signal number "
+                                                  f"(1 to {int(signal.SIGRTMAX)})")
+            sig = raw
+        else:
+            try:
+                sig = int(parse_signal(raw))
+            except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's error
+                raise ControlError("bad_request", f"bad \"signal\": {exc}") from None
         hit = self.sup.kill_unit(unit, sig)
         if not hit:
             raise ControlError("not_running", f"unit {unit!r} has no running process to signal")
@@ -278,7 +287,12 @@ class Daemon:
         directory = args.get("units_dir") or self.cfg.units_dir
         if not isinstance(directory, str):
             raise ControlError("bad_request", "\"units_dir\" must be a path")
-        errors = check_stack(directory)
+        # Off the loop (a big stack takes seconds to read) and bounded: /health and deaths
+        # keep their milliseconds while it runs.
+        try:
+            errors = await asyncio.wait_for(asyncio.to_thread(check_stack, directory), CHECK_TIMEOUT_S)
+        except TimeoutError:
+            raise ControlError("timeout", f"checking {directory} took more than {CHECK_TIMEOUT_S:g} s") from None
         return {"ok": not errors, "units_dir": directory, "errors": [str(e) for e in errors]}
 
     # -- life ---------------------------------------------------------------------

@@ -324,6 +324,7 @@ class _Table:
 # _Invalid with "expected ..., got ...".
 
 
+MAX_UNITS = 4096  # units in one stack, instances expanded
 MAX_INSTANCES = 1024  # per template (man omnid.unit(5)); more is a typo, not a stack
 MAX_SECONDS = 86400.0  # any timeout or interval: at most one day
 MAX_RLIMIT = (1 << 63) - 2  # largest finite rlim_t
@@ -788,14 +789,26 @@ def _tiers(
     tier_of: dict[str, int] = {}
     remaining = set(units)
     tiers: list[tuple[Unit, ...]] = []
-    while True:
-        layer = sorted(n for n in remaining if all(d in tier_of for d in edges[n]))
-        if not layer:
-            break
+    # Kahn with in-degrees: linear in units + edges (a 10,000-unit chain is not a hang).
+    waiting = {n: len(edges[n]) for n in units}
+    dependents: dict[str, list[str]] = {n: [] for n in units}
+    for n in units:
+        for d in edges[n]:
+            if d in dependents:
+                dependents[d].append(n)
+    layer = sorted(n for n, k in waiting.items() if k == 0)
+    while layer:
         for n in layer:
             tier_of[n] = len(tiers)
         remaining.difference_update(layer)
         tiers.append(tuple(units[n] for n in layer))
+        ready = []
+        for n in layer:
+            for m in dependents[n]:
+                waiting[m] -= 1
+                if waiting[m] == 0:
+                    ready.append(m)
+        layer = sorted(ready)
 
     # Every unit left waits for another unit left, so walking "waits for" edges
     # from any of them must loop. Walks that reach an already-reported cycle are
@@ -804,9 +817,11 @@ def _tiers(
     reported: set[tuple[str, ...]] = set()
     for start in sorted(remaining):
         path: list[str] = []
+        on_path: set[str] = set()
         node = start
-        while node not in explained and node not in path:
+        while node not in explained and node not in on_path:
             path.append(node)
+            on_path.add(node)
             node = min(d for d in edges[node] if d in remaining)
         explained.update(path)
         if node not in path:
@@ -883,6 +898,11 @@ def _load(directory: Path) -> tuple[Stack | None, tuple[UnitFileError, ...]]:
     if not templates and not broken:
         errors.append(UnitFileError(directory, "", "no unit files; expected at least one NAME.toml"))
 
+    total = sum(t.instances for t in templates.values())
+    if total > MAX_UNITS:
+        errors.append(UnitFileError(directory, "", f"{total} units after expanding instances; expected at most "
+                                    f"{MAX_UNITS} in one stack"))
+        return None, tuple(errors)
     units: dict[str, Unit] = {}
     # unit -> {dependency: the key that declares it}, for cycle messages.
     edges: dict[str, dict[str, str]] = {}

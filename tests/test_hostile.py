@@ -363,3 +363,48 @@ def test_health_connection_flood_neither_kills_the_daemon_nor_stops_omnid_status
     wait_for(lambda: d.http("/health")[0] == 200, 15, "/health to answer again after the flood")
     code, text = d.http("/metrics")
     assert "omnid_health_connections_refused_total" in text
+
+
+# ------------------------------------------------------------------ 6. check runs off the loop
+def test_check_request_runs_off_the_event_loop(daemon, tmp_path):
+    import threading
+    import urllib.request
+
+    big = tmp_path / "big"
+    big.mkdir()
+    for i in range(3000):
+        dep = f'requires = ["u{i - 1}"]\nafter = ["u{max(i - 2, 0)}"]\n' if i > 1 else ""
+        (big / f"u{i}.toml").write_text(f'exec = ["x"]\ndescription = "unit {i}"\n{dep}')
+    d = daemon()
+    d.start()
+    d.wait_state("a", "active")
+    worst = [0.0]
+    answers = [0]
+    stop = threading.Event()
+
+    def probe():
+        while not stop.is_set():
+            t0 = time.monotonic()
+            with urllib.request.urlopen(f"http://127.0.0.1:{d.health_port}/health/live", timeout=30) as r:
+                r.read()
+            worst[0] = max(worst[0], time.monotonic() - t0)
+            answers[0] += 1
+
+    th = threading.Thread(target=probe)
+    th.start()
+    try:
+        t0 = time.monotonic()
+        wait_for(lambda: answers[0] > 3, 10, "the /health/live probe to run")
+        base, worst[0], answers[0] = worst[0], 0.0, 0
+        res = d.ok("check", {"units_dir": str(big)}, timeout=60)
+        took = time.monotonic() - t0
+        during = answers[0]
+    finally:
+        stop.set()
+        th.join()
+    assert res["ok"], res["errors"][:3]
+    print(f"check took {took:.2f} s; {during} /health/live answers during it, worst {worst[0] * 1000:.0f} ms "
+          f"(before the check: {base * 1000:.0f} ms)")
+    # In the loop, a check answers no health request until it is done (/health/live took 7.7 s).
+    assert during >= 5 and worst[0] < took / 2, \
+        f"{during} /health/live answers, worst {worst[0]:.2f} s, while a {took:.2f} s check ran"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import os
 import re
 import select
@@ -488,7 +489,13 @@ class Supervisor:
             self._record_failure(u, held)
             self._transition(u, E.SPAWN_FAILED, self._failure_reason(u, held))
             return
-        r, w = os.pipe2(os.O_CLOEXEC)
+        try:
+            r, w = os.pipe2(os.O_CLOEXEC)
+        except OSError as exc:  # issue #9: EMFILE is a failed spawn (backoff), not a crashed op
+            why = f"spawn failed: {errno.errorcode.get(exc.errno, exc.errno)}: cannot create the output pipe ({exc.strerror})"
+            self._record_failure(u, why)
+            self._transition(u, E.SPAWN_FAILED, self._failure_reason(u, why))
+            return
         req = SpawnRequest(unit=u.name, argv=tuple(self._argv(spec)), env=self._env(u), cwd=spec.cwd,
                            user=spec.user, group=spec.group, rlimits=tuple(spec.limits))
         try:

@@ -408,3 +408,41 @@ def test_check_request_runs_off_the_event_loop(daemon, tmp_path):
     # In the loop, a check answers no health request until it is done (/health/live took 7.7 s).
     assert during >= 5 and worst[0] < took / 2, \
         f"{during} /health/live answers, worst {worst[0]:.2f} s, while a {took:.2f} s check ran"
+
+
+# ------------------------------------------------------------------ 7. fd exhaustion at spawn
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize("free", [1, 2])
+def test_fd_exhaustion_at_spawn_fails_cleanly_backs_off_and_recovers(daemon, free):
+    d = daemon({"a": 'exec = ["sleep", "1000"]\nrestart = "always"\nrestart_sec = 0.2\nrestart_max_sec = 1\nstart_limit_burst = 1000\n'})
+    d.start()
+    a = d.wait_state("a", "active")
+    d.ok("status")  # the control connection is open before the limit drops
+    wait_for(lambda: d.http("/health/live")[0] == 200, 20, "the health API")
+    spawner = linux.read_stat(a["pid"]).ppid
+    soft, hard = map(int, subprocess.run(["prlimit", "-p", str(d.pid), "--nofile", "-o", "SOFT,HARD", "--noheadings"],
+                                         capture_output=True, text=True, check=True).stdout.split())
+    # The unit's death frees its pidfd and output pipe: then exactly `free` fds are left for the restart.
+    limit = daemon_fds(d.pid) - 2 + free
+    subprocess.run(["prlimit", "-p", str(d.pid), f"--nofile={limit}:{hard}"], check=True)
+    try:
+        os.kill(a["pid"], signal.SIGKILL)
+        u = wait_for(lambda: (u := d.unit("a")) and "EMFILE" in f"{u.get('reason')} {u.get('last_exit')}" and u,
+                     20, "a restart to fail with EMFILE")
+        print("unit while fds are exhausted:", u["state"], u["reason"])
+        c0, t0 = cpu_seconds(d.pid), time.monotonic()
+        time.sleep(2.0)  # measuring CPU over an interval: the interval is the measurement
+        cpu = (cpu_seconds(d.pid) - c0) / (time.monotonic() - t0)
+        assert cpu < 0.5, f"the daemon used {cpu:.0%} CPU while spawns failed with EMFILE"
+        units = {p for p in linux.children_of(spawner) if (st := linux.read_stat(p)) and st.state not in ("Z", "X")}
+        pid_now = d.unit("a")["pid"]
+        assert units <= ({pid_now} if pid_now else set()), f"children of the spawner no unit owns: {units}"
+    finally:
+        subprocess.run(["prlimit", "-p", str(d.pid), f"--nofile={soft}:{hard}"], check=True)
+    d.wait_state("a", "active", timeout=20)
+    d.close()
+    assert d.proc.returncode == 0, d.closed_log[-3000:]

@@ -131,6 +131,7 @@ class Daemon:
         self._gpu_task: DaemonTask | None = None
         self._control_reader: DaemonTask | None = None
         self._health_task: asyncio.Task | None = None
+        self._senders: dict[int, tuple[str | None, float]] = {}  # notify sender pid -> (unit, valid until)
 
     # -- callbacks --------------------------------------------------------------
     def _on_exit(self, rep) -> None:
@@ -412,6 +413,18 @@ class Daemon:
         as the supervisor attributes it), or None: anyone else's message is dropped."""
         if self.sup is None:
             return None
+        now = time.monotonic()
+        hit = self._senders.get(pid)
+        if hit is not None and hit[1] > now:
+            return hit[0]  # a flood costs one /proc read per sender per second, not per datagram
+        unit = self._attribute_sender(pid)
+        if len(self._senders) > 4096:
+            self._senders.clear()
+        self._senders[pid] = (unit, now + 1.0)
+        return unit
+
+    def _attribute_sender(self, pid: int) -> str | None:
+        assert self.sup is not None
         st = linux.read_stat(pid)
         if st is None:
             return None

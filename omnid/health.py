@@ -76,6 +76,11 @@ class _ConnectionGuard:
         self.active = 0
         self.refused = 0
         self.idle_closed = 0
+        self.evicted = 0
+        # Connections that have not sent a byte yet, oldest first: at the cap, the oldest
+        # of these makes room for a new one, so idle connections held by a stranger cannot
+        # lock out a load balancer's probe (which sends its request at once).
+        self.silent: dict[int, _GuardedProtocol] = {}
 
 
 class _GuardedProtocol(asyncio.Protocol):
@@ -90,10 +95,15 @@ class _GuardedProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self.guard.active >= self.guard.cap:
-            self.guard.refused += 1
-            transport.abort()  # type: ignore[attr-defined]
-            return
+            if not self.guard.silent:
+                self.guard.refused += 1
+                transport.abort()  # type: ignore[attr-defined]
+                return
+            oldest = next(iter(self.guard.silent.values()))
+            self.guard.evicted += 1
+            oldest._close_silent()
         self.guard.active += 1
+        self.guard.silent[id(self)] = self
         self.transport = transport
         self.inner = self.make()
         self.timer = asyncio.get_running_loop().call_later(FIRST_BYTE_TIMEOUT_S, self._silent)
@@ -103,9 +113,24 @@ class _GuardedProtocol(asyncio.Protocol):
         self.timer = None
         if self.transport is not None:
             self.guard.idle_closed += 1
-            self.transport.abort()  # type: ignore[attr-defined]
+            self._close_silent()
+
+    def _close_silent(self) -> None:
+        """Abort now and count the slot free at once (connection_lost comes a turn later)."""
+        self.guard.silent.pop(id(self), None)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        transport, inner = self.transport, self.inner
+        self.transport, self.inner = None, None
+        if inner is not None:
+            self.guard.active -= 1
+            inner.connection_lost(None)
+        if transport is not None:
+            transport.abort()  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
+        self.guard.silent.pop(id(self), None)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -124,6 +149,7 @@ class _GuardedProtocol(asyncio.Protocol):
             self.inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.guard.silent.pop(id(self), None)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -271,7 +297,8 @@ class HealthServer:
         metric("omnid_invariant_violations_total", "counter", "state/kernel disagreements found after transitions")
         lines.append(f"omnid_invariant_violations_total {len(self.sup.invariant_violations)}")
         metric("omnid_health_connections_refused_total", "counter", "health connections closed at the cap or silent")
-        lines.append(f"omnid_health_connections_refused_total {self.connections.refused + self.connections.idle_closed}")
+        c = self.connections
+        lines.append(f"omnid_health_connections_refused_total {c.refused + c.idle_closed + c.evicted}")
         notify = self.notify_counters()  # issue #9: dropped notify datagrams, by reason
         if notify:
             metric("omnid_notify_datagrams_total", "counter", "notify datagrams received, accepted or dropped")

@@ -352,9 +352,11 @@ def test_health_connection_flood_neither_kills_the_daemon_nor_stops_omnid_status
         drained = poll_queue(d.health_port)
         fds = daemon_fds(d.pid)
         print(f"accept queue drained: {drained}; daemon fds during the flood: {fds}")
+        probe = d.http("/health/live")[0]  # a prober's connection evicts an idle one held by the flood
         r = omnid("--control", d.control, "status", timeout=30)
         assert d.proc.poll() is None, f"daemon died during the flood (rc {d.proc.returncode}):\n{d.log()[-3000:]}"
         assert r.returncode == 0, f"omnid status failed during the flood: {r}\n{d.log()[-3000:]}"
+        assert probe == 200, f"/health/live answered {probe} during the connection flood"
         assert fds < 400, f"the daemon holds {fds} fds during a health connection flood (cap: 256 connections)"
     finally:
         for c in conns:

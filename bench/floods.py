@@ -69,7 +69,7 @@ class Run:
         (self.units / "flood.toml").write_text(
             f'exec = ["{PY}", "{workdir / "flood.py"}", "{self.go}", "{flood_n}"]\nready = "notify"\n')
         (self.units / "victim.toml").write_text('exec = ["sleep", "100000"]\nrestart = "always"\nrestart_sec = 0.3\n'
-                                           'start_limit_burst = 1000\n')
+                                           'start_limit_burst = 1000\nrestart_max_sec = 0.5\n')
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
         self.port = s.getsockname()[1]

@@ -31,7 +31,8 @@ def _problem(st: os.stat_result, trusted: tuple[int, ...]) -> str | None:
     if st.st_uid not in trusted:
         return f"owned by {owner_name(st.st_uid)}, expected {' or '.join(owner_name(u) for u in trusted)}"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"mode {stat.S_IMODE(st.st_mode):04o} is writable by {'group and others' if st.st_mode & stat.S_IWOTH and st.st_mode & stat.S_IWGRP else 'others' if st.st_mode & stat.S_IWOTH else 'its group'}"
+        who = [w for bit, w in ((stat.S_IWGRP, "its group"), (stat.S_IWOTH, "others")) if st.st_mode & bit]
+        return f"mode {stat.S_IMODE(st.st_mode):04o} is writable by {' and '.join(who)}"
     return None
 
 

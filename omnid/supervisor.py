@@ -492,7 +492,8 @@ class Supervisor:
         try:
             r, w = os.pipe2(os.O_CLOEXEC)
         except OSError as exc:  # issue #9: EMFILE is a failed spawn (backoff), not a crashed op
-            why = f"spawn failed: {errno.errorcode.get(exc.errno, exc.errno)}: cannot create the output pipe ({exc.strerror})"
+            code = errno.errorcode.get(exc.errno or 0, exc.errno)
+            why = f"spawn failed: {code}: cannot create the output pipe ({exc.strerror})"
             self._record_failure(u, why)
             self._transition(u, E.SPAWN_FAILED, self._failure_reason(u, why))
             return

@@ -420,7 +420,8 @@ def cpu_seconds(pid: int) -> float:
 
 @pytest.mark.parametrize("free", [1, 2])
 def test_fd_exhaustion_at_spawn_fails_cleanly_backs_off_and_recovers(daemon, free):
-    d = daemon({"a": 'exec = ["sleep", "1000"]\nrestart = "always"\nrestart_sec = 0.2\nrestart_max_sec = 1\nstart_limit_burst = 1000\n'})
+    d = daemon({"a": 'exec = ["sleep", "1000"]\nrestart = "always"\nrestart_sec = 0.2\nrestart_max_sec = 1\n'
+                     'start_limit_burst = 1000\n'})
     d.start()
     a = d.wait_state("a", "active")
     d.ok("status")  # the control connection is open before the limit drops

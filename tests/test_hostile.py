@@ -449,3 +449,40 @@ def test_fd_exhaustion_at_spawn_fails_cleanly_backs_off_and_recovers(daemon, fre
     d.wait_state("a", "active", timeout=20)
     d.close()
     assert d.proc.returncode == 0, d.closed_log[-3000:]
+
+
+# ------------------------------------------------------------------ 5. parser and control input
+@pytest.mark.parametrize("text", ["v = " + "[" * 5000 + "]" * 5000 + "\n", "instances = 9223372036854775807\n",
+                                  "instances = 1000000\n", "stop_timeout = 1e300\n",
+                                  'limits = { nofile = 99999999999999999999 }\n'])
+def test_check_never_tracebacks_and_exits_2_naming_the_file(tmp_path, text):
+    (tmp_path / "a.toml").write_text('exec = ["x"]\n' + text if not text.startswith("v") else text)
+    r = omnid("check", "-u", str(tmp_path), timeout=15)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and "Traceback" not in out and str(tmp_path / "a.toml") in out, out[-2000:]
+
+
+def test_control_timeout_that_is_negative_nan_string_or_huge_gets_bad_request_naming_it(daemon):
+    d = daemon()
+    d.start()
+    d.wait_state("a", "active")
+    for bad in (-1, 0, "5", 1e300, 86401, True):
+        for cmd in ("start", "stop", "restart"):
+            rep = d.call(cmd, {"units": ["a"], "timeout": bad})
+            assert not rep["ok"] and rep["error"]["code"] == "bad_request", (cmd, bad, rep)
+            assert "timeout" in rep["error"]["message"], rep
+    rep = d.raw(b'{"cmd": "start", "args": {"units": ["a"], "timeout": NaN}}')
+    assert not rep["ok"] and rep["error"]["code"] == "bad_request" and "timeout" in rep["error"]["message"], rep
+    assert d.unit("a")["state"] == "active"
+
+
+def test_kill_accepts_a_numeric_signal(daemon):
+    d = daemon({"a": 'exec = ["sleep", "1000"]\n'})
+    d.start()
+    pid = d.wait_state("a", "active")["pid"]
+    rep = d.call("kill", {"unit": "a", "signal": int(signal.SIGUSR1)})
+    assert rep["ok"] and rep["result"]["signal"] == "SIGUSR1", rep
+    wait_for(lambda: not alive(pid), 5, "sleep to die of SIGUSR1")
+    for bad in (0, -9, 65, 10**20):
+        rep = d.call("kill", {"unit": "a", "signal": bad})
+        assert not rep["ok"] and rep["error"]["code"] == "bad_request" and "signal" in rep["error"]["message"], rep

@@ -21,9 +21,15 @@ class Client:
     """One request at a time over a DEALER socket, each reply awaited with a deadline."""
 
     def __init__(self, control: str) -> None:
-        from omnid.control import socket_is_live
+        from omnid.control import ControlError, check_control_dir, socket_is_live
+        from omnid.ownership import trusted_uids
 
         self.control = control
+        try:  # never talk to a socket another user could have planted
+            check_control_dir(control, trusted_uids())
+        except ControlError as exc:
+            if os.path.lexists(os.path.dirname(os.path.abspath(control))):
+                raise CliError(exc.message, EXIT_FAILED) from None
         if not os.path.exists(control) or not socket_is_live(control):
             raise CliError(f"no omnid daemon running (no control socket answering at {control})", EXIT_NO_DAEMON)
         import zmq

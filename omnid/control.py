@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from omnid.ownership import UnsafePath, check_private_dir, owner_name
+
 import structlog
 import zmq
 import zmq.asyncio
@@ -52,16 +54,36 @@ def prepare_socket_dir(control: str, group: str | None = None) -> None:
                                        "characters (a Unix socket limit); choose a shorter --control")
     directory = path.parent
     mode = 0o750 if group else 0o700
-    if not directory.exists():
+    if not os.path.lexists(directory):
         directory.mkdir(parents=True, mode=mode)
-    st = directory.stat()
-    if st.st_uid == os.getuid() and not (st.st_mode & stat.S_ISVTX):
-        os.chmod(directory, mode)
+        os.chmod(directory, mode)  # mkdir's mode is filtered by the umask; this one is ours
+    # An existing directory is someone's: refuse it unless it is ours alone (sshd StrictModes).
+    check_control_dir(str(path))
     for p in (str(path), events_path(str(path))):
         if os.path.exists(p):
             if socket_is_live(p):
                 raise ControlError("already_running", f"another omnid daemon answers on {p}")
             os.unlink(p)  # stale: its daemon is gone
+
+
+def check_control_dir(control: str, trusted: tuple[int, ...] | None = None) -> None:
+    """The control socket's directory must be ours and writable by no one else, and an
+    existing socket in it ours: otherwise another user could answer in the daemon's place.
+    Raises ControlError("unsafe_path") naming path, owner and mode."""
+    directory = os.path.dirname(os.path.abspath(control))
+    try:
+        trusted = trusted or (os.geteuid(),)
+        check_private_dir(directory, "control directory", trusted)
+        for p in (control, events_path(control)):
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:
+                continue
+            if st.st_uid not in trusted:
+                raise UnsafePath(f"refusing control socket {p}: owned by {owner_name(st.st_uid)}, "
+                                 f"expected {' or '.join(owner_name(u) for u in trusted)}")
+    except UnsafePath as exc:
+        raise ControlError("unsafe_path", str(exc)) from None
 
 
 def socket_is_live(path: str) -> bool:

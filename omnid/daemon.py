@@ -12,6 +12,7 @@ import asyncio
 import fcntl
 import gc
 import importlib
+import math
 import os
 import secrets
 import signal
@@ -29,6 +30,8 @@ from omnid.control import ControlError, ControlServer, prepare_socket_dir
 from omnid.metrics import DaemonMetrics
 from omnid.notify import NotifyServer
 from omnid.systemd import ServiceNotifier
+from omnid.ownership import UnsafePath, check_private_dir, raise_nofile_limit
+from omnid.process import DAEMON_TAG, UNIT_TAG
 from omnid.spawnclient import SpawnerClient, SpawnerGone
 from omnid.states import UnitState as S
 from omnid.statefile import StateFile, find_leftovers, kill_leftovers
@@ -40,6 +43,8 @@ from omnid.units import Stack, StackInvalid, check_stack, load_stack, parse_sign
 log = structlog.get_logger("omnid.daemon")
 
 DEFAULT_HEALTH = settings.DEFAULT_HEALTH
+CHECK_TIMEOUT_S = 30.0  # the `check` request (omnid-control(7))
+MAX_TIMEOUT_S = 86400.0  # a control request's "timeout": at most a day (omnid-control(7))
 
 
 def bind_listener(listen: str) -> socket.socket:
@@ -90,6 +95,7 @@ class Daemon:
         self._gpu_task: DaemonTask | None = None
         self._control_reader: DaemonTask | None = None
         self._health_task: asyncio.Task | None = None
+        self._senders: dict[int, tuple[str | None, float]] = {}  # notify sender pid -> (unit, valid until)
 
     # -- callbacks --------------------------------------------------------------
     def _publish(self, ev: dict) -> None:
@@ -145,8 +151,10 @@ class Daemon:
         t = args.get("timeout")
         if t is None:
             return None
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
-            raise ControlError("bad_request", f"\"timeout\" must be a positive number of seconds, got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) \
+                or t <= 0 or t > MAX_TIMEOUT_S:
+            raise ControlError("bad_request", f"\"timeout\" must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}, "
+                                              f"got {str(t)[:60]!r}")
         return float(t)
 
     def _known(self, names: list[str] | None) -> None:
@@ -168,7 +176,8 @@ class Daemon:
         out: dict = {"units": units, "daemon": {"pid": os.getpid(), "spawner_pid": self.spawner.pid,
                                                "units_dir": self.cfg.units_dir, "since": self.sup.started_at,
                                                "shutting_down": self.sup.shutting_down,
-                                               **cgroup_mod.backend(self.cgroups)}}  # cgroup hook
+                                               **cgroup_mod.backend(self.cgroups),  # cgroup hook
+                                               "notify": dict(self.notify.counters) if self.notify else {}}}
         if args.get("verify"):
             problems = self.sup.verify()
             if problems:
@@ -213,10 +222,18 @@ class Daemon:
         if not isinstance(unit, str) or not unit:
             raise ControlError("bad_request", "kill needs \"unit\": a unit name")
         self._known([unit])
-        try:
-            sig = int(parse_signal(args.get("signal", "SIGTERM")))
-        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's error
-            raise ControlError("bad_request", f"bad \"signal\": {exc}") from None
+        raw = args.get("signal", "SIGTERM")
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            # omnid-control(7): a name or a number. Any signal the kernel knows, 0 excluded.
+            if not 1 <= raw <= signal.SIGRTMAX:
+                raise ControlError("bad_request", f"bad \"signal\": {raw} is not a signal number "
+                                                  f"(1 to {int(signal.SIGRTMAX)})")
+            sig = raw
+        else:
+            try:
+                sig = int(parse_signal(raw))
+            except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's error
+                raise ControlError("bad_request", f"bad \"signal\": {exc}") from None
         hit = self.sup.kill_unit(unit, sig)
         if not hit:
             raise ControlError("not_running", f"unit {unit!r} has no running process to signal")
@@ -243,7 +260,12 @@ class Daemon:
         directory = args.get("units_dir") or self.cfg.units_dir
         if not isinstance(directory, str):
             raise ControlError("bad_request", "\"units_dir\" must be a path")
-        errors = check_stack(directory)
+        # Off the loop (a big stack takes seconds to read) and bounded: /health and deaths
+        # keep their milliseconds while it runs.
+        try:
+            errors = await asyncio.wait_for(asyncio.to_thread(check_stack, directory), CHECK_TIMEOUT_S)
+        except TimeoutError:
+            raise ControlError("timeout", f"checking {directory} took more than {CHECK_TIMEOUT_S:g} s") from None
         return {"ok": not errors, "units_dir": directory, "errors": [str(e) for e in errors]}
 
     async def handle_wait(self, args: dict) -> dict:
@@ -322,7 +344,7 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         await self.spawner.attach()
-        self.notify = NotifyServer(self.token, self._on_notify)
+        self.notify = NotifyServer(self.token, self._on_notify, attribute=self._notify_sender)
         self.notify.start()
         from omnid import gpu as gpu_mod
 
@@ -420,7 +442,8 @@ class Daemon:
         assert self.sup is not None
         health_mod = await asyncio.to_thread(importlib.import_module, "omnid.health")
         self.health = health_mod.HealthServer(self.sup, self.cfg.health_listen, degraded=lambda: self.sup.degraded,
-                                              gpu_usage=lambda: self.sup.gpu_mib)
+                                              gpu_usage=lambda: self.sup.gpu_mib,
+                                              notify_counters=lambda: self.notify.counters if self.notify else {})
         self.health.daemon_metrics = self.metrics
         await self.health.start(sock)
         # Everything allocated so far (modules, sockets, units) lives as long as the
@@ -447,6 +470,40 @@ class Daemon:
             return
         log.info("signal received: stopping the stack in order", signal=linux.signal_name(sig))
         self.shutdown_requested.set()
+
+    def _notify_sender(self, pid: int) -> str | None:
+        """The unit whose own process sent a notify datagram (by process group or session,
+        as the supervisor attributes it), or None: anyone else's message is dropped."""
+        if self.sup is None:
+            return None
+        now = time.monotonic()
+        hit = self._senders.get(pid)
+        if hit is not None and hit[1] > now:
+            return hit[0]  # a flood costs one /proc read per sender per second, not per datagram
+        unit = self._attribute_sender(pid)
+        if len(self._senders) > 4096:
+            self._senders.clear()
+        self._senders[pid] = (unit, now + 1.0)
+        return unit
+
+    def _attribute_sender(self, pid: int) -> str | None:
+        assert self.sup is not None
+        st = linux.read_stat(pid)
+        if st is None:
+            return None
+        pending = False
+        for u in self.sup.units.values():
+            if u.proc is not None:
+                if u.proc.pgid in (st.pgid, st.sid):
+                    return u.name
+            elif u.op_kind == "start":
+                pending = True
+        if pending:
+            # READY=1 can come before the spawner's reply: the environment proves it ours.
+            tag = linux.read_environ_var(pid, UNIT_TAG)
+            if tag in self.sup.units and linux.read_environ_var(pid, DAEMON_TAG) == self.token:
+                return tag
+        return None
 
     def _on_notify(self, pid: int, fields: dict[str, str]) -> None:
         if self.sup is not None:
@@ -477,8 +534,16 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
         pass
     state_dir_path = Path(cfg.state_dir)
     try:
-        state_dir_path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        lock_fd = os.open(state_dir_path / "daemon.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if not os.path.lexists(state_dir_path):
+            state_dir_path.mkdir(parents=True, mode=0o700)
+            os.chmod(state_dir_path, 0o700)
+        # A state directory another user can write would let them list pids for us to kill.
+        check_private_dir(state_dir_path, "state directory")
+        lock_fd = os.open(state_dir_path / "daemon.lock",
+                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except UnsafePath as exc:
+        print(f"omnid: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"omnid: cannot use state dir {cfg.state_dir}: {exc}", file=sys.stderr)
         return 1
@@ -515,6 +580,9 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
                 log.error("leftovers of a previous daemon survived SIGKILL", processes=alive)
     # Start the spawner by exec while this process has no threads yet.
     daemon.spawner.launch()
+    # After the spawner's exec, so units keep the usual soft limit: health connections,
+    # pidfds and pipes must not run libzmq out of fds (it aborts on EMFILE).
+    raise_nofile_limit()
     try:
         return asyncio.run(daemon.run())
     except SpawnerGone as exc:

@@ -4,6 +4,7 @@ at request time, so a death shows as 503 as soon as the pidfd fired."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from collections.abc import Callable
@@ -64,15 +65,127 @@ def group_usage(u: Unit) -> tuple[int, float, int]:
     return rss, cpu, n
 
 
+MAX_CONNECTIONS = 256  # open health connections; more are closed at accept (man omnid(8) SECURITY)
+FIRST_BYTE_TIMEOUT_S = 5.0  # a connection that sends nothing is closed after this
+KEEPALIVE_TIMEOUT_S = 5.0  # an idle keep-alive connection is closed after this
+
+
+class _ConnectionGuard:
+    """Counts health connections; the protocol wrapper below enforces the cap."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.active = 0
+        self.refused = 0
+        self.idle_closed = 0
+        self.evicted = 0
+        # Connections that have not sent a byte yet, oldest first: at the cap, the oldest
+        # of these makes room for a new one, so idle connections held by a stranger cannot
+        # lock out a load balancer's probe (which sends its request at once).
+        self.silent: dict[int, _GuardedProtocol] = {}
+
+
+class _GuardedProtocol(asyncio.Protocol):
+    """Wraps aiohttp's per-connection protocol: refuses past the cap, closes silent ones.
+    An fd held by a stranger must never be one libzmq or a spawn needed."""
+
+    def __init__(self, guard: _ConnectionGuard, make: Callable[[], asyncio.Protocol]) -> None:
+        self.guard, self.make = guard, make
+        self.inner: asyncio.Protocol | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.guard.active >= self.guard.cap:
+            if not self.guard.silent:
+                self.guard.refused += 1
+                transport.abort()  # type: ignore[attr-defined]
+                return
+            oldest = next(iter(self.guard.silent.values()))
+            self.guard.evicted += 1
+            oldest._close_silent()
+        self.guard.active += 1
+        self.guard.silent[id(self)] = self
+        self.transport = transport
+        self.inner = self.make()
+        self.timer = asyncio.get_running_loop().call_later(FIRST_BYTE_TIMEOUT_S, self._silent)
+        self.inner.connection_made(transport)
+
+    def _silent(self) -> None:
+        self.timer = None
+        if self.transport is not None:
+            self.guard.idle_closed += 1
+            self._close_silent()
+
+    def _close_silent(self) -> None:
+        """Abort now and count the slot free at once (connection_lost comes a turn later)."""
+        self.guard.silent.pop(id(self), None)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        transport, inner = self.transport, self.inner
+        self.transport, self.inner = None, None
+        if inner is not None:
+            self.guard.active -= 1
+            inner.connection_lost(None)
+        if transport is not None:
+            transport.abort()  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        self.guard.silent.pop(id(self), None)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.inner is not None:
+            self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.inner is not None else None
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.guard.silent.pop(id(self), None)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.inner is not None:
+            self.guard.active -= 1
+            self.transport = None
+            inner, self.inner = self.inner, None
+            inner.connection_lost(exc)
+
+
+class _CappedSockSite(web.SockSite):
+    def __init__(self, runner: web.AppRunner, sock: socket.socket, guard: _ConnectionGuard) -> None:
+        super().__init__(runner, sock, backlog=128)
+        self._guard = guard
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: _GuardedProtocol(self._guard, server), sock=self._sock, backlog=self._backlog)
+
+
 class HealthServer:
     def __init__(self, sup: Supervisor, listen: str, degraded: Callable[[], dict[str, str]] | None = None,
-                 gpu_usage: Callable[[], dict[str, float]] | None = None) -> None:
+                 gpu_usage: Callable[[], dict[str, float]] | None = None,
+                 notify_counters: Callable[[], dict[str, int]] | None = None) -> None:
         self.sup = sup
         host, _, port = listen.rpartition(":")
         self.host = host.strip("[]") or "127.0.0.1"
         self.port = int(port)
         self.degraded = degraded or (lambda: {})
         self.gpu_usage = gpu_usage or (lambda: {})
+        self.notify_counters = notify_counters or (lambda: {})
         self.app = web.Application()
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/health/live", self.live)
@@ -80,15 +193,21 @@ class HealthServer:
         self.app.router.add_get("/units/{name}", self.unit)
         self.app.router.add_get("/metrics", self.metrics)
         self.runner: web.AppRunner | None = None
+        self.connections = _ConnectionGuard(MAX_CONNECTIONS)
 
     async def start(self, sock: socket.socket | None = None) -> None:
         """Serve on `sock` (already bound and listening) or bind HOST:PORT now."""
-        self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
+                                    keepalive_timeout=KEEPALIVE_TIMEOUT_S)
         await self.runner.setup()
-        if sock is not None:
-            site: web.BaseSite = web.SockSite(self.runner, sock)
-        else:
-            site = web.TCPSite(self.runner, self.host, self.port, reuse_address=True)
+        if sock is None:
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+            sock.listen(128)
+            sock.setblocking(False)
+        site = _CappedSockSite(self.runner, sock, self.connections)
         await site.start()
         log.info("health API listening", url=f"http://{self.host}:{self.port}/health")
 
@@ -195,5 +314,13 @@ class HealthServer:
         lines.append(f"omnid_daemon_threads {me.num_threads()}")
         metric("omnid_invariant_violations_total", "counter", "state/kernel disagreements found after transitions")
         lines.append(f"omnid_invariant_violations_total {len(self.sup.invariant_violations)}")
+        metric("omnid_health_connections_refused_total", "counter", "health connections closed at the cap or silent")
+        c = self.connections
+        lines.append(f"omnid_health_connections_refused_total {c.refused + c.idle_closed + c.evicted}")
+        notify = self.notify_counters()  # issue #9: dropped notify datagrams, by reason
+        if notify:
+            metric("omnid_notify_datagrams_total", "counter", "notify datagrams received, accepted or dropped")
+            for what, n in notify.items():
+                lines.append(f"omnid_notify_datagrams_total{lbl(outcome=what)} {n}")
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})

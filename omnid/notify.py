@@ -14,6 +14,7 @@ import asyncio
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable
 
 import structlog
@@ -33,10 +34,41 @@ def parse_notify(data: bytes) -> dict[str, str]:
     return fields
 
 
+MAX_PER_TURN = 64  # datagrams read per loop turn: a flood cannot starve pidfds or /health
+RATE_PER_S = 100.0  # messages a unit may send per second, sustained ...
+BURST = 200  # ... after a burst of this many
+SUMMARY_EVERY_S = 10.0  # drops are logged as one summary line at most this often
+
+
+class _Bucket:
+    __slots__ = ("tokens", "at")
+
+    def __init__(self, now: float) -> None:
+        self.tokens, self.at = float(BURST), now
+
+    def take(self, now: float) -> bool:
+        self.tokens = min(float(BURST), self.tokens + (now - self.at) * RATE_PER_S)
+        self.at = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
 class NotifyServer:
-    def __init__(self, token: str, on_message: Callable[[int, dict[str, str]], object]) -> None:
+    """`attribute(pid)` names the unit a sender belongs to (its own processes only) or
+    None: messages from anyone else are dropped and counted, never logged one by one."""
+
+    def __init__(self, token: str, on_message: Callable[[int, dict[str, str]], object],
+                 attribute: Callable[[int], str | None] | None = None) -> None:
         self.address = f"@omnid/{token}/notify"  # what units get in NOTIFY_SOCKET
         self._on_message = on_message
+        self._attribute = attribute
+        self._buckets: dict[str, _Bucket] = {}
+        self.counters = {"received": 0, "accepted": 0, "dropped_foreign": 0, "dropped_rate": 0,
+                         "dropped_no_credentials": 0}
+        self._reported: dict[str, int] = {}
+        self._last_summary = 0.0
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self.sock.bind("\0" + self.address[1:])
@@ -45,10 +77,23 @@ class NotifyServer:
     def start(self) -> None:
         asyncio.get_running_loop().add_reader(self.sock.fileno(), self._readable)
 
+    def forget(self, unit: str) -> None:
+        self._buckets.pop(unit, None)
+
+    def _drop(self, why: str) -> None:
+        self.counters[why] += 1
+        now = time.monotonic()
+        if now - self._last_summary >= SUMMARY_EVERY_S:
+            self._last_summary = now
+            new = {k: v - self._reported.get(k, 0) for k, v in self.counters.items() if k.startswith("dropped")}
+            self._reported = dict(self.counters)
+            log.warning("notify datagrams dropped (not from a unit's own processes, or over the rate limit)",
+                        **{k: v for k, v in new.items() if v})
+
     def _readable(self) -> None:
         fds_size = socket.CMSG_SPACE(16 * array.array("i").itemsize)
         cred_size = socket.CMSG_SPACE(_CRED.size)
-        while True:
+        for _ in range(MAX_PER_TURN):  # the rest waits for the next turn (level-triggered reader)
             try:
                 data, ancdata, _flags, _addr = self.sock.recvmsg(MAX_DATAGRAM, fds_size + cred_size)
             except BlockingIOError:
@@ -56,6 +101,7 @@ class NotifyServer:
             except OSError as exc:
                 log.warning("notify socket read failed", error=str(exc))
                 return
+            self.counters["received"] += 1
             pid = 0
             for level, ctype, cdata in ancdata:
                 if level != socket.SOL_SOCKET:
@@ -67,12 +113,25 @@ class NotifyServer:
                         os.close(fd)  # the BARRIER=1 pipe: closing it releases the sender
                 elif ctype == socket.SCM_CREDENTIALS and len(cdata) >= _CRED.size:
                     pid, _uid, _gid = _CRED.unpack(cdata[: _CRED.size])
+            if pid <= 0:
+                self._drop("dropped_no_credentials")
+                continue
+            if self._attribute is not None:
+                unit = self._attribute(pid)
+                if unit is None:
+                    self._drop("dropped_foreign")
+                    continue
+                now = time.monotonic()
+                bucket = self._buckets.get(unit)
+                if bucket is None:
+                    bucket = self._buckets[unit] = _Bucket(now)
+                if not bucket.take(now):
+                    self._drop("dropped_rate")
+                    continue
             fields = parse_notify(data)
             if not fields or fields.keys() == {"BARRIER"}:
                 continue
-            if pid <= 0:
-                log.warning("notify message without sender credentials; ignored", fields=sorted(fields))
-                continue
+            self.counters["accepted"] += 1
             try:
                 self._on_message(pid, fields)
             except Exception:  # noqa: BLE001 - a bad message must not kill the reader

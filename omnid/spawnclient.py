@@ -218,10 +218,15 @@ class SpawnerClient:
         elif isinstance(msg, SpawnedMsg):
             fut = self._pending.pop(msg.id, None)
             if fut is None or fut.done() or not fds:
+                # No pidfd (the kernel dropped it: EMFILE here) or no one waiting: a process
+                # no unit owns must not run. The spawner kills its own unreaped child.
                 for fd in fds:
                     os.close(fd)
+                self._kill_unowned(msg.pid)
                 if fut is not None and not fut.done():
-                    fut.set_exception(SpawnError(f"spawner answered pid {msg.pid} without its pidfd"))
+                    fut.set_exception(SpawnError(
+                        "spawn failed: EMFILE: the daemon could not receive the process's pidfd (too many "
+                        f"open files); pid {msg.pid} was killed"))
                 return
             fut.set_result(Spawned(msg.pid, fds[0], msg.start_time))
             for fd in fds[1:]:
@@ -233,6 +238,13 @@ class SpawnerClient:
         elif isinstance(msg, Hello):
             if self._hello is not None and not self._hello.done():
                 self._hello.set_result(msg.pid)
+
+    def _kill_unowned(self, pid: int) -> None:
+        try:
+            assert self.sock is not None
+            self.sock.send(json.dumps({"op": "kill", "pid": pid}).encode())
+        except OSError as exc:
+            log.error("cannot ask the spawner to kill an unowned child", pid=pid, error=str(exc))
 
     async def spawn(self, req: SpawnRequest, out_w: int) -> Spawned:
         """Spawn one unit process; out_w becomes its stdout and stderr."""

@@ -8,7 +8,8 @@ every fork), is a child subreaper (double-forked grandchildren come back to it),
 reaps every child and reports each exit, and dies with the daemon.
 
 Protocol, one JSON object per datagram, fds by SCM_RIGHTS:
-  daemon -> spawner  {"op": "spawn", "id", "unit", "argv", "env", "cwd", "user",
+  daemon -> spawner  {"op": "kill", "pid"}  (a child whose pidfd the daemon could not take)
+                     {"op": "spawn", "id", "unit", "argv", "env", "cwd", "user",
                       "group", "rlimits", "cgroup"} + [output pipe write end]
                      {"op": "shutdown"}
   spawner -> daemon  {"op": "spawned", "id", "pid", "start_time"} + [pidfd]
@@ -97,6 +98,13 @@ def _child_setup_and_exec(req: dict, out_fd: int, err_w: int, spawner_pid: int) 
                 os.setgid(pw.pw_gid)
             os.initgroups(pw.pw_name, os.getgid())
             os.setuid(pw.pw_uid)
+        if req.get("user") or req.get("group"):
+            # The kernel clears PDEATHSIG when credentials change: arm it again now,
+            # then make sure the spawner did not die in between (issue #9).
+            stage = "prctl(PR_SET_PDEATHSIG) after the uid/gid switch"
+            linux.set_pdeathsig(signal.SIGKILL)
+            if os.getppid() != spawner_pid:
+                os._exit(1)
         stage = "exec"
         argv = req["argv"]
         os.execvpe(argv[0], argv, req["env"])
@@ -245,6 +253,18 @@ class Spawner:
         op = req.get("op")
         if op == "spawn":
             self.spawn(req, fds)
+        elif op == "kill":
+            # The daemon could not take the pidfd (EMFILE): the child must not run unowned.
+            # Still our unreaped child, so its pid (and group: it called setsid) is its own.
+            pid = req.get("pid")
+            if isinstance(pid, int) and self.units.pop(pid, None) is not None:
+                for kill in (os.killpg, os.kill):
+                    try:
+                        kill(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+            for fd in fds:
+                os.close(fd)
         else:
             for fd in fds:
                 os.close(fd)

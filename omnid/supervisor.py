@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import os
 import re
 import signal
@@ -607,13 +608,24 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
             self._record_failure(u, what)
             self._transition(u, E.SPAWN_FAILED, self._failure_reason(u, what))
             return
-        r, w = os.pipe2(os.O_CLOEXEC)
+        try:
+            r, w = os.pipe2(os.O_CLOEXEC)
+        except OSError as exc:  # issue #9: EMFILE is a failed spawn (backoff), not a crashed op
+            code = errno.errorcode.get(exc.errno or 0, exc.errno)
+            why = f"spawn failed: {code}: cannot create the output pipe ({exc.strerror})"
+            if self.cgroups:
+                self.cgroups.release(u.name)
+            self._record_failure(u, why)
+            self._transition(u, E.SPAWN_FAILED, self._failure_reason(u, why))
+            return
         req = SpawnRequest(unit=u.name, argv=tuple(self._argv(spec)), env=self._env(u), cwd=spec.cwd,
                            user=spec.user, group=spec.group, rlimits=tuple(spec.limits), cgroup=cg_path)
         try:
             sp = await self.spawner.spawn(req, w)
         except SpawnError as exc:
             os.close(r)
+            if self.cgroups:
+                self.cgroups.release(u.name)  # cgroup hook: nothing was spawned into it
             self._record_failure(u, str(exc))
             self._transition(u, E.SPAWN_FAILED, self._failure_reason(u, str(exc)))
             return

@@ -14,6 +14,7 @@ import difflib
 import ipaddress
 import json
 import math
+import os
 import re
 import resource
 import signal
@@ -26,6 +27,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
+
+from omnid.ownership import check_unit_path
 
 SETTINGS_FILE = "omnid.toml"
 DEFAULT_TITLE = "omnid: %n"
@@ -348,6 +351,12 @@ class _Table:
 # _Invalid with "expected ..., got ...".
 
 
+MAX_UNITS = 4096  # units in one stack, instances expanded
+MAX_INSTANCES = 1024  # per template (man omnid.unit(5)); more is a typo, not a stack
+MAX_SECONDS = 86400.0  # any timeout or interval: at most one day
+MAX_RLIMIT = (1 << 63) - 2  # largest finite rlim_t
+
+
 def _string(value: Any) -> str:
     if not isinstance(value, str):
         raise _Invalid(f"expected a string, got {_describe(value)}")
@@ -376,13 +385,13 @@ def _argv(value: Any) -> tuple[str, ...]:
     return argv
 
 
-def _integer(minimum: int) -> Callable[[Any], int]:
+def _integer(minimum: int, maximum: int = 1 << 31) -> Callable[[Any], int]:
     def convert(value: Any) -> int:
         # bool is an int in Python; `instances = true` is a typo, not 1.
         if not isinstance(value, int) or isinstance(value, bool):
-            raise _Invalid(f"expected an integer >= {minimum}, got {_describe(value)}")
-        if value < minimum:
-            raise _Invalid(f"expected an integer >= {minimum}, got {value}")
+            raise _Invalid(f"expected an integer >= {minimum} and <= {maximum}, got {_describe(value)}")
+        if value < minimum or value > maximum:
+            raise _Invalid(f"expected an integer >= {minimum} and <= {maximum}, got {value}")
         return value
 
     return convert
@@ -416,8 +425,8 @@ def _seconds(*, zero_ok: bool) -> Callable[[Any], float]:
     def convert(value: Any) -> float:
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise _Invalid(f"expected a number of seconds {bound}, got {_describe(value)}")
-        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
-            raise _Invalid(f"expected a number of seconds {bound}, got {value}")
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok) or value > MAX_SECONDS:
+            raise _Invalid(f"expected a number of seconds {bound} and <= {MAX_SECONDS} (1 day), got {value}")
         return float(value)
 
     return convert
@@ -462,9 +471,9 @@ def _env(value: Any) -> dict[str, str]:
 def _rlimit_value(name: str, value: Any) -> int:
     if value == "infinity":
         return resource.RLIM_INFINITY
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_RLIMIT:
         return value
-    raise _Invalid(f'expected an integer >= 0 or "infinity", got {_describe(value)}', name)
+    raise _Invalid(f'expected an integer from 0 to 2**63-2 or "infinity", got {_describe(value)}', name)
 
 
 def _limits(value: Any) -> tuple[Rlimit, ...]:
@@ -495,7 +504,7 @@ def _rlimit_order(value: int) -> float:
 def _gpus(value: Any) -> tuple[int, ...] | str:
     if value == "%i":
         return value  # one GPU per instance; resolved at expansion
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1024 for v in value):
         if len(set(value)) != len(value):
             raise _Invalid(f"expected each GPU once, got {value!r}")
         return tuple(value)
@@ -561,14 +570,26 @@ class _Template:
 def _read_toml(file: Path, errors: list[UnitFileError]) -> dict[str, Any] | None:
     try:
         with file.open("rb") as f:
-            return tomllib.load(f)
+            data = f.read(MAX_UNIT_FILE_BYTES + 1)
+        if len(data) > MAX_UNIT_FILE_BYTES:
+            errors.append(UnitFileError(file, "", f"larger than {MAX_UNIT_FILE_BYTES} bytes; expected a unit file"))
+            return None
+        return tomllib.loads(data.decode())
     except tomllib.TOMLDecodeError as exc:
         errors.append(UnitFileError(file, "", f"invalid TOML ({exc}); expected a TOML document"))
+    except RecursionError:
+        errors.append(UnitFileError(file, "", "TOML nested too deeply for the parser; expected a flat unit file"))
+    except (ValueError, OverflowError, MemoryError) as exc:
+        errors.append(UnitFileError(file, "", f"invalid TOML ({type(exc).__name__}: {str(exc)[:200]}); "
+                                    "expected a TOML document"))
     except UnicodeDecodeError as exc:
         errors.append(UnitFileError(file, "", f"not UTF-8 ({exc.reason}); expected a UTF-8 TOML document"))
     except OSError as exc:
         errors.append(UnitFileError(file, "", f"cannot read ({exc.strerror}); expected a readable file"))
     return None
+
+
+MAX_UNIT_FILE_BYTES = 1 << 20
 
 
 def _ready(value: Any) -> Ready:
@@ -658,7 +679,7 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
     return _Template(
         name=name,
         file=file,
-        instances=t.get("instances", 1, _integer(1)),
+        instances=t.get("instances", 1, _integer(1, MAX_INSTANCES)),
         values=v,
         after=t.get("after", (), _string_list),
         requires=t.get("requires", (), _string_list),
@@ -853,14 +874,26 @@ def _tiers(
     tier_of: dict[str, int] = {}
     remaining = set(units)
     tiers: list[tuple[Unit, ...]] = []
-    while True:
-        layer = sorted(n for n in remaining if all(d in tier_of for d in edges[n]))
-        if not layer:
-            break
+    # Kahn with in-degrees: linear in units + edges (a 10,000-unit chain is not a hang).
+    waiting = {n: len(edges[n]) for n in units}
+    dependents: dict[str, list[str]] = {n: [] for n in units}
+    for n in units:
+        for d in edges[n]:
+            if d in dependents:
+                dependents[d].append(n)
+    layer = sorted(n for n, k in waiting.items() if k == 0)
+    while layer:
         for n in layer:
             tier_of[n] = len(tiers)
         remaining.difference_update(layer)
         tiers.append(tuple(units[n] for n in layer))
+        ready = []
+        for n in layer:
+            for m in dependents[n]:
+                waiting[m] -= 1
+                if waiting[m] == 0:
+                    ready.append(m)
+        layer = sorted(ready)
 
     # Every unit left waits for another unit left, so walking "waits for" edges
     # from any of them must loop. Walks that reach an already-reported cycle are
@@ -869,9 +902,11 @@ def _tiers(
     reported: set[tuple[str, ...]] = set()
     for start in sorted(remaining):
         path: list[str] = []
+        on_path: set[str] = set()
         node = start
-        while node not in explained and node not in path:
+        while node not in explained and node not in on_path:
             path.append(node)
+            on_path.add(node)
             node = min(d for d in edges[node] if d in remaining)
         explained.update(path)
         if node not in path:
@@ -948,6 +983,17 @@ def _load(directory: Path) -> tuple[Stack | None, tuple[UnitFileError, ...]]:
         return None, (UnitFileError(directory, "", "not a directory; expected a directory of unit files (NAME.toml)"),)
     # Dotfiles are editor leftovers (.serve.toml.swp, .#serve.toml), not units.
     files = sorted(p for p in directory.glob("*.toml") if not p.name.startswith(".") and p.is_file())
+    if os.geteuid() == 0:
+        # A root daemon runs what these files say: only root may be able to change them.
+        problem = check_unit_path(directory, directory=True)
+        if problem:
+            errors.append(UnitFileError(directory, "", problem))
+        for file in files:
+            problem = check_unit_path(file, directory=False)
+            if problem:
+                errors.append(UnitFileError(file, "", problem))
+        if errors:
+            return None, tuple(errors)
 
     settings = DaemonSettings()
     templates: dict[str, _Template] = {}
@@ -970,6 +1016,11 @@ def _load(directory: Path) -> tuple[Stack | None, tuple[UnitFileError, ...]]:
     if not templates and not broken:
         errors.append(UnitFileError(directory, "", "no unit files; expected at least one NAME.toml"))
 
+    total = sum(t.instances for t in templates.values())
+    if total > MAX_UNITS:
+        errors.append(UnitFileError(directory, "", f"{total} units after expanding instances; expected at most "
+                                    f"{MAX_UNITS} in one stack"))
+        return None, tuple(errors)
     units: dict[str, Unit] = {}
     # unit -> {dependency: the key that declares it}, for cycle messages.
     edges: dict[str, dict[str, str]] = {}

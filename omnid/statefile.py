@@ -10,10 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import select
-import signal
 import stat
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +30,7 @@ class Leftover:
     pid: int
     unit: str
     how: str  # why we know it is ours
+    start_time: int = 0  # checked again once its pidfd is open (omnid.termination.LeftoverTarget)
 
     def describe(self) -> str:
         return f"{self.unit}: pid {self.pid} ({self.how})"
@@ -159,32 +157,20 @@ def find_leftovers(previous: PreviousState) -> list[Leftover]:
         st = linux.read_stat(rec.pid)
         if (st is not None and rec.pid != me and st.start_time == rec.start_time and st.state not in ("Z", "X")
                 and linux.read_environ_var(rec.pid, DAEMON_TAG) == token):
-            found[rec.pid] = Leftover(rec.pid, rec.unit, "pid, start time and token match the state file")
+            found[rec.pid] = Leftover(rec.pid, rec.unit, "pid, start time and token match the state file",
+                                      st.start_time)
     for st in linux.scan():
         if st.pid in found or st.pid == me or st.state in ("Z", "X"):
             continue
         if linux.read_environ_var(st.pid, DAEMON_TAG) == token:
             unit = linux.read_environ_var(st.pid, UNIT_TAG) or "?"
-            found[st.pid] = Leftover(st.pid, unit, f"carries {DAEMON_TAG} of the previous daemon")
+            found[st.pid] = Leftover(st.pid, unit, f"carries {DAEMON_TAG} of the previous daemon", st.start_time)
     return list(found.values())
 
 
 def kill_leftovers(leftovers: list[Leftover], deadline_s: float = 5.0) -> list[str]:
-    """SIGKILL each proven leftover through a pidfd; returns descriptions of what still lives."""
-    handles = []
-    for lo in leftovers:
-        try:
-            fd = os.pidfd_open(lo.pid)
-        except ProcessLookupError:
-            continue
-        linux.pidfd_send_signal(fd, signal.SIGKILL)
-        handles.append((lo, fd))
-    deadline = time.monotonic() + deadline_s
-    alive = []
-    for lo, fd in handles:
-        p = select.poll()
-        p.register(fd, select.POLLIN)
-        if not p.poll(max(0, int((deadline - time.monotonic()) * 1000))):
-            alive.append(lo.describe())
-        os.close(fd)
-    return alive
+    """SIGKILL each proven leftover through a pidfd (the one kill policy, omnid.termination);
+    returns descriptions of what still lives after deadline_s."""
+    from omnid.termination import terminate_leftovers
+
+    return terminate_leftovers(leftovers, deadline_s)

@@ -38,7 +38,7 @@ from omnid.statefile import StateFile, find_leftovers, kill_leftovers
 from omnid import cgroup as cgroup_mod
 from omnid.supervisor import StopRecord, Supervisor, UnitNotFound
 from omnid.tasks import DaemonTask, report_crash
-from omnid.units import Stack, StackInvalid, check_stack, load_stack, parse_signal
+from omnid.units import InvalidValue, Stack, StackInvalid, check_stack, load_stack, parse_signal
 
 log = structlog.get_logger("omnid.daemon")
 
@@ -232,7 +232,7 @@ class Daemon:
         else:
             try:
                 sig = int(parse_signal(raw))
-            except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's error
+            except InvalidValue as exc:
                 raise ControlError("bad_request", f"bad \"signal\": {exc}") from None
         hit = self.sup.kill_unit(unit, sig)
         if not hit:

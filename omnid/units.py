@@ -309,12 +309,17 @@ def _describe(value: Any) -> str:
     return f"{kind} {_quote(value)}"
 
 
-class _Invalid(Exception):
-    """Raised inside a key's reader; becomes one UnitFileError for that key (or `sub`key of its table)."""
+class InvalidValue(ValueError):
+    """A value that is not what its key expects ("expected ..., got ..."). Public: parse_signal
+    raises it for callers outside unit files. Inside a key's reader it becomes one UnitFileError
+    for that key (or `sub`key of its table)."""
 
     def __init__(self, message: str, sub: str = "") -> None:
         super().__init__(message)
         self.sub = sub
+
+
+_Invalid = InvalidValue
 
 
 class _Table:

@@ -1,0 +1,192 @@
+"""Reading one unit file (or omnid.toml) into a typed, not yet expanded template: the key
+table of DESIGN.md Part 2 and the daemon-settings keys."""
+
+from __future__ import annotations
+
+import ipaddress
+import signal
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omnid.unitmodel import DEFAULT_TITLE, DaemonSettings, Liveness, LogFormat, Ready, ReadyKind, RestartPolicy, TorchDistributed, UnitFileError
+from omnid.unitvalues import MAX_INSTANCES, _Invalid, _Table, _argv, _cgroup_amount, _choice, _describe, _env, _gpus, _group_name, _integer, _limits, _nonempty_string, _seconds, _string, _string_list, parse_host_port, parse_signal
+
+
+# --------------------------------------------------------------------------- unit files
+
+
+UNIT_KEYS = (
+    "exec", "description", "role", "title", "instances", "after", "requires", "cwd", "env",
+    "user", "group", "limits", "gpus", "ready", "ready_timeout", "liveness", "watchdog_sec",
+    "stop_signal", "stop_timeout", "kill_timeout", "restart", "restart_sec", "restart_max_sec",
+    "start_limit_burst", "start_limit_interval", "gpu_min_free_mib", "worker_group", "torch_distributed",
+    "memory_max", "tasks_max",
+)  # fmt: skip
+TORCH_DISTRIBUTED_KEYS = ("master_addr", "master_port")
+# The restart policy of a worker group is one policy: every member must declare the same.
+GROUP_POLICY_KEYS = ("restart", "restart_sec", "restart_max_sec", "start_limit_burst", "start_limit_interval")
+LIVENESS_KEYS = ("http", "interval", "timeout", "failures")
+SETTINGS_KEYS = ("control", "state_dir", "health_listen", "log_format", "cgroup_root")
+
+
+@dataclass(frozen=True)
+class _Template:
+    """One unit file, typed but not yet expanded: strings may still hold %i / %n."""
+
+    name: str
+    file: Path
+    instances: int
+    values: Mapping[str, Any]  # Unit field -> typed value, for keys that are per-template
+    after: tuple[str, ...]
+    requires: tuple[str, ...]
+    gpus: tuple[int, ...] | str | None
+
+
+def _read_toml(file: Path, errors: list[UnitFileError]) -> dict[str, Any] | None:
+    try:
+        with file.open("rb") as f:
+            data = f.read(MAX_UNIT_FILE_BYTES + 1)
+        if len(data) > MAX_UNIT_FILE_BYTES:
+            errors.append(UnitFileError(file, "", f"larger than {MAX_UNIT_FILE_BYTES} bytes; expected a unit file"))
+            return None
+        return tomllib.loads(data.decode())
+    except tomllib.TOMLDecodeError as exc:
+        errors.append(UnitFileError(file, "", f"invalid TOML ({exc}); expected a TOML document"))
+    except RecursionError:
+        errors.append(UnitFileError(file, "", "TOML nested too deeply for the parser; expected a flat unit file"))
+    except (ValueError, OverflowError, MemoryError) as exc:
+        errors.append(UnitFileError(file, "", f"invalid TOML ({type(exc).__name__}: {str(exc)[:200]}); "
+                                    "expected a TOML document"))
+    except UnicodeDecodeError as exc:
+        errors.append(UnitFileError(file, "", f"not UTF-8 ({exc.reason}); expected a UTF-8 TOML document"))
+    except OSError as exc:
+        errors.append(UnitFileError(file, "", f"cannot read ({exc.strerror}); expected a readable file"))
+    return None
+
+
+MAX_UNIT_FILE_BYTES = 1 << 20
+
+
+def _ready(value: Any) -> Ready:
+    if value == "started":
+        return Ready(ReadyKind.STARTED)
+    if value == "notify":
+        return Ready(ReadyKind.NOTIFY)
+    if isinstance(value, dict) and len(value) == 1:
+        (kind, target), = value.items()
+        if kind == "http":
+            return Ready(ReadyKind.HTTP, url=_string(target))  # URL checked after %i expansion
+        if kind == "tcp":
+            return Ready(ReadyKind.TCP, url=_string(target))  # split into host/port after expansion
+    raise _Invalid(f'expected "started", "notify", {{ http = URL }} or {{ tcp = "HOST:PORT" }}, got {_describe(value)}')
+
+
+def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list[UnitFileError]) -> _Template:
+    t = _Table(file, raw, errors)
+    t.check_keys(UNIT_KEYS)
+    if "exec" not in raw:
+        t.error("exec", 'missing; expected the program and its arguments, e.g. exec = ["vllm", "serve"]')
+    v: dict[str, Any] = {
+        "exec": t.get("exec", ("true",), _argv),
+        "description": t.get("description", "", _string),
+        "role": t.get("role", "", _string),
+        "title": t.get("title", DEFAULT_TITLE, _string),
+        "cwd": t.get("cwd", None, _nonempty_string),
+        "env": t.get("env", {}, _env),
+        "user": t.get("user", None, _nonempty_string),
+        "group": t.get("group", None, _nonempty_string),
+        "limits": t.get("limits", (), _limits),
+        "ready": t.get("ready", Ready(), _ready),
+        "ready_timeout": t.get("ready_timeout", 600.0, _seconds(zero_ok=False)),
+        "watchdog_sec": t.get("watchdog_sec", 0.0, _seconds(zero_ok=True)),
+        "stop_signal": t.get("stop_signal", signal.SIGTERM, parse_signal),
+        "stop_timeout": t.get("stop_timeout", 10.0, _seconds(zero_ok=False)),
+        "kill_timeout": t.get("kill_timeout", 10.0, _seconds(zero_ok=False)),
+        "restart": t.get("restart", RestartPolicy.NO, _choice(RestartPolicy)),
+        "restart_sec": t.get("restart_sec", 1.0, _seconds(zero_ok=False)),
+        "restart_max_sec": t.get("restart_max_sec", 60.0, _seconds(zero_ok=False)),
+        "start_limit_burst": t.get("start_limit_burst", 5, _integer(1)),
+        "start_limit_interval": t.get("start_limit_interval", 60.0, _seconds(zero_ok=False)),
+        "gpu_min_free_mib": t.get("gpu_min_free_mib", 0, _integer(0)),
+        "worker_group": t.get("worker_group", None, _group_name),
+        "torch_distributed": None,
+        "memory_max": t.get("memory_max", None, _cgroup_amount(bytes_=True)),
+        "tasks_max": t.get("tasks_max", None, _cgroup_amount(bytes_=False)),
+        "liveness": None,
+    }
+    td = raw.get("torch_distributed", False)
+    if td is True or isinstance(td, dict):
+        tt = _Table(file, td if isinstance(td, dict) else {}, errors, prefix="torch_distributed.")
+        tt.check_keys(TORCH_DISTRIBUTED_KEYS)
+        v["torch_distributed"] = TorchDistributed(
+            master_addr=tt.get("master_addr", "127.0.0.1", _nonempty_string),
+            master_port=tt.get("master_port", 29500, _integer(1)),
+        )
+        if v["torch_distributed"].master_port > 65535:
+            tt.error("master_port", f"expected a port from 1 to 65535, got {v['torch_distributed'].master_port}")
+        if v["worker_group"] is None:
+            t.error("torch_distributed", "needs worker_group: ranks that do not fail and restart together hang "
+                    "in their next collective when one of them dies; expected e.g. worker_group = \"tp0\"")
+    elif td is not False:
+        t.error("torch_distributed", f"expected true, false or a table {{ master_addr = \"127.0.0.1\", "
+                f"master_port = 29500 }}, got {_describe(td)}")
+    if "liveness" in raw:
+        if isinstance(raw["liveness"], dict):
+            lt = _Table(file, raw["liveness"], errors, prefix="liveness.")
+            lt.check_keys(LIVENESS_KEYS)
+            if "http" not in lt.raw:
+                lt.error("http", 'missing; expected { http = "http://HOST:PORT/PATH" }')
+            v["liveness"] = Liveness(
+                url=lt.get("http", "", _string),  # URL checked after %i expansion
+                interval=lt.get("interval", 5.0, _seconds(zero_ok=False)),
+                timeout=lt.get("timeout", 2.0, _seconds(zero_ok=False)),
+                failures=lt.get("failures", 3, _integer(1)),
+            )
+        else:
+            t.error("liveness", f"expected a table {{ http = URL, interval = 5, timeout = 2, failures = 3 }}, "
+                    f"got {_describe(raw['liveness'])}")  # fmt: skip
+    if v["watchdog_sec"] > 0 and v["ready"].kind is not ReadyKind.NOTIFY:
+        t.error("watchdog_sec", f'needs ready = "notify" (the watchdog is fed by WATCHDOG=1 notifications), '
+                f'got ready = "{v["ready"].kind}"')  # fmt: skip
+    if v["restart_max_sec"] < v["restart_sec"]:
+        t.error("restart_max_sec", f"expected seconds >= restart_sec ({v['restart_sec']:g}), "
+                f"got {v['restart_max_sec']:g}")  # fmt: skip
+    return _Template(
+        name=name,
+        file=file,
+        instances=t.get("instances", 1, _integer(1, MAX_INSTANCES)),
+        values=v,
+        after=t.get("after", (), _string_list),
+        requires=t.get("requires", (), _string_list),
+        gpus=t.get("gpus", None, _gpus),
+    )
+
+
+def _parse_settings(file: Path, raw: Mapping[str, Any], directory: Path, errors: list[UnitFileError]) -> DaemonSettings:
+    t = _Table(file, raw, errors)
+    t.check_keys(SETTINGS_KEYS)
+
+    def path(value: Any) -> Path:
+        # Relative to the stack directory, not to wherever the daemon happens to start.
+        return directory / _nonempty_string(value)
+
+    def listen(value: Any) -> str:
+        try:
+            host, _port = parse_host_port(_string(value))
+            ipaddress.ip_address(host)
+        except ValueError as exc:
+            # A host name makes aiohttp start a resolver thread (DESIGN.md Part 1): numeric only.
+            raise _Invalid(f'expected "ADDRESS:PORT" with a numeric address such as "127.0.0.1:9321" ({exc})') from None
+        return value
+
+    return DaemonSettings(
+        file=file,
+        control=t.get("control", None, path),
+        state_dir=t.get("state_dir", None, path),
+        health_listen=t.get("health_listen", None, listen),
+        log_format=t.get("log_format", None, _choice(LogFormat)),
+        cgroup_root=t.get("cgroup_root", None, path),
+    )

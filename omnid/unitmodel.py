@@ -1,0 +1,276 @@
+"""The unit model (DESIGN.md Part 2, "Unit files"): frozen, typed units and stacks as
+`omnid.units.load_stack` returns them, with the stack's start tiers and who requires whom.
+Nothing here reads files."""
+
+from __future__ import annotations
+
+import re
+import resource
+import signal
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from types import MappingProxyType
+from typing import NamedTuple
+
+
+
+SETTINGS_FILE = "omnid.toml"
+DEFAULT_TITLE = "omnid: %n"
+
+# Set by omnid itself (DESIGN.md "The child's environment"); a unit that overrode
+# them would hide from residue scans or talk to the wrong notify socket.
+RESERVED_ENV = frozenset({"OMNID_UNIT", "OMNID_INSTANCE", "OMNID_INSTANCES", "OMNID_GENERATION", "SPT_NOENV",
+                          "NOTIFY_SOCKET"})
+
+# '@' separates a template from its instance number and '%' starts a specifier,
+# so neither may appear in a unit name; '/' would escape the directory.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_REFERENCE = re.compile(r"(?P<template>[A-Za-z0-9][A-Za-z0-9_.-]*)(?:@(?P<instance>[0-9]+))?")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Only these: "%N" or "%s" in a unit's command (date +%s.%N) must reach it unchanged. The
+# instance count is in the environment instead (OMNID_INSTANCES).
+_SPECIFIER = re.compile(r"%[%in]")
+
+# torch.distributed's env:// rendezvous (set by omnid for `torch_distributed` units).
+TORCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+# rlimit names as written in `limits` (nofile, memlock, ...) -> resource constants.
+RLIMITS: Mapping[str, int] = MappingProxyType(
+    {n[len("RLIMIT_"):].lower(): getattr(resource, n) for n in dir(resource) if n.startswith("RLIMIT_")}
+)
+
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@dataclass(frozen=True)
+class UnitFileError:
+    """One problem in one file: which file, which key, what was expected."""
+
+    file: Path
+    key: str  # dotted for nested keys ("liveness.interval"); "" for a whole-file problem
+    message: str  # what is wrong and what was expected; never empty
+
+    def __str__(self) -> str:
+        if self.key:
+            return f"{self.file}: {self.key}: {self.message}"
+        return f"{self.file}: {self.message}"
+
+
+class StackInvalid(Exception):
+    """The stack directory cannot be run; `errors` lists every problem found, in file order."""
+
+    def __init__(self, errors: Sequence[UnitFileError]) -> None:
+        self.errors: tuple[UnitFileError, ...] = tuple(errors)
+        super().__init__(self.errors)
+
+    def __str__(self) -> str:
+        count = len(self.errors)
+        head = f"{count} error{'s' if count != 1 else ''} in unit files"
+        return "\n".join([head + ":", *(f"  {e}" for e in self.errors)])
+
+
+# --------------------------------------------------------------------------- parsed objects
+
+
+class ReadyKind(StrEnum):
+    STARTED = "started"
+    NOTIFY = "notify"
+    HTTP = "http"
+    TCP = "tcp"
+
+
+@dataclass(frozen=True)
+class Ready:
+    """When a unit counts as ready. `url` is set for HTTP, `host` and `port` for TCP."""
+
+    kind: ReadyKind = ReadyKind.STARTED
+    url: str = ""
+    host: str = ""
+    port: int = 0
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """Periodic HTTP probe while active: `failures` failed probes in a row fail the unit."""
+
+    url: str
+    interval: float = 5.0
+    timeout: float = 2.0
+    failures: int = 3
+
+
+class RestartPolicy(StrEnum):
+    NO = "no"
+    ON_FAILURE = "on-failure"
+    ALWAYS = "always"
+
+
+class Rlimit(NamedTuple):
+    """One `limits` entry, shaped as the spawner's (resource, soft, hard) triple."""
+
+    resource: int
+    soft: int
+    hard: int
+
+
+@dataclass(frozen=True)
+class TorchDistributed:
+    """`torch_distributed`: where rank 0 of a worker group listens for torch's env:// rendezvous."""
+
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One runnable unit instance, with every %i / %n already expanded.
+
+    Field names are the unit-file keys. `after` and `requires` hold full unit
+    names (a dependency on a template is expanded to all its instances).
+    """
+
+    name: str  # "worker@1", or "serve" for a single unit
+    template: str  # "worker": the file name without .toml
+    instance: int  # 0 for a single unit
+    instances: int  # how many instances the template has
+    file: Path
+    exec: tuple[str, ...]
+    description: str = ""
+    role: str = ""
+    title: str = "omnid: %n"  # "" = leave the process title alone
+    after: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()
+    cwd: str | None = None
+    # Includes CUDA_VISIBLE_DEVICES derived from `gpus`; excluded from the hash
+    # because a mapping is not hashable.
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), hash=False)
+    user: str | None = None
+    group: str | None = None
+    limits: tuple[Rlimit, ...] = ()
+    gpus: tuple[int, ...] = ()
+    ready: Ready = Ready()
+    ready_timeout: float = 600.0
+    liveness: Liveness | None = None
+    watchdog_sec: float = 0.0
+    stop_signal: signal.Signals = signal.SIGTERM
+    stop_timeout: float = 10.0
+    worker_group: str | None = None  # members fail, stop and restart together
+    torch_distributed: TorchDistributed | None = None
+    kill_timeout: float = 10.0
+    restart: RestartPolicy = RestartPolicy.NO
+    restart_sec: float = 1.0
+    restart_max_sec: float = 60.0
+    start_limit_burst: int = 5
+    start_limit_interval: float = 60.0
+    gpu_min_free_mib: int = 0
+    memory_max: int | str | None = None  # cgroup memory.max (systemd MemoryMax=); "max" = no limit
+    tasks_max: int | str | None = None  # cgroup pids.max (systemd TasksMax=)
+
+    @property
+    def dependencies(self) -> tuple[str, ...]:
+        """Units that must be ready before this one starts (`requires` implies `after`)."""
+        return tuple(sorted(set(self.after) | set(self.requires)))
+
+    def environ(self, base: Mapping[str, str], notify_socket: str | None = None) -> dict[str, str]:
+        """The full environment of this unit's process (DESIGN.md "The child's environment").
+
+        `base` is the daemon's own environment. Its systemd notify variables are
+        dropped: they belong to the daemon, and a unit writing to them would
+        speak for omnid to systemd.
+        """
+        env = {k: v for k, v in base.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+        env.update(self.env)
+        env["OMNID_UNIT"] = self.name
+        env["OMNID_INSTANCE"] = str(self.instance)
+        env["OMNID_INSTANCES"] = str(self.instances)
+        env["SPT_NOENV"] = "1"  # setproctitle would otherwise wipe /proc/PID/environ (the OMNID_UNIT tag)
+        if notify_socket is not None and self.ready.kind is ReadyKind.NOTIFY:
+            env["NOTIFY_SOCKET"] = notify_socket
+            if self.watchdog_sec > 0:
+                # sd_watchdog_enabled() in the child reads this to learn the interval.
+                env["WATCHDOG_USEC"] = str(int(self.watchdog_sec * 1_000_000))
+        return env
+
+
+class LogFormat(StrEnum):
+    JSON = "json"
+    CONSOLE = "console"
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    """`omnid.toml`: daemon flags in snake_case. None = not set there (the flag or default applies)."""
+
+    file: Path | None = None
+    control: Path | None = None
+    state_dir: Path | None = None
+    health_listen: str | None = None  # "HOST:PORT", numeric host
+    log_format: LogFormat | None = None
+    cgroup_root: Path | None = None  # omnid.cgroup: a writable cgroup v2 directory for the units
+
+
+@dataclass(frozen=True, eq=False)
+class Stack:
+    """A validated stack: units by name (sorted), their start tiers and who requires whom."""
+
+    directory: Path
+    units: Mapping[str, Unit]
+    settings: DaemonSettings
+    _tiers: tuple[tuple[Unit, ...], ...] = field(repr=False)
+    _tier_of: Mapping[str, int] = field(repr=False)
+    _required_by: Mapping[str, tuple[str, ...]] = field(repr=False)
+    # worker_group name -> member unit names in rank order (template, then instance number).
+    groups: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+
+    def group_members(self, name: str) -> tuple[str, ...]:
+        """The members of `name`'s worker group (itself included), or just (name,)."""
+        group = self.units[name].worker_group
+        return self.groups[group] if group else (name,)
+
+    def __iter__(self) -> Iterator[Unit]:
+        return iter(self.units.values())
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def __getitem__(self, name: str) -> Unit:
+        return self.units[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.units
+
+    def tiers(self) -> tuple[tuple[Unit, ...], ...]:
+        """Start order: tier 0 needs nothing; each unit sits one tier after its latest dependency.
+
+        Units of one tier may start together; stop order is this, reversed.
+        """
+        return self._tiers
+
+    def tier_of(self, name: str) -> int:
+        return self._tier_of[name]
+
+    def resolve(self, name: str) -> tuple[Unit, ...]:
+        """A unit name or a template name ("worker" = all its instances) -> units. KeyError if unknown."""
+        if name in self.units:
+            return (self.units[name],)
+        found = tuple(u for u in self.units.values() if u.template == name)
+        if not found:
+            raise KeyError(name)
+        return found
+
+    def dependents(self, name: str) -> tuple[Unit, ...]:
+        """Units to stop when `name` (unit or template) fails or stops: all that require it,
+        directly or through others, in stop order (last tier first). `after` alone does not count."""
+        seen: set[str] = set()
+        todo = [u.name for u in self.resolve(name)]
+        start = set(todo)
+        while todo:
+            for requirer in self._required_by.get(todo.pop(), ()):
+                if requirer not in seen and requirer not in start:
+                    seen.add(requirer)
+                    todo.append(requirer)
+        return tuple(sorted((self.units[n] for n in seen), key=lambda u: (-self._tier_of[u.name], u.name)))

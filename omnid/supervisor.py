@@ -12,7 +12,6 @@ is the death event: there is no polling loop for liveness of processes.
 from __future__ import annotations
 
 import asyncio
-import collections
 import errno
 import os
 import re
@@ -26,6 +25,7 @@ from pathlib import Path
 import structlog
 
 from omnid import linux
+from omnid.groups import RestartBook, WorkerGroups, book_field
 from omnid.invariants import Invariants
 from omnid.lifecycle import Event, Release, StartMonitors, UnitView, step
 from omnid.lifecycle import Signal as LcSignal
@@ -35,7 +35,7 @@ from omnid.probes import ProbeFailed, http_probe, tcp_probe
 from omnid.process import DAEMON_TAG, UNIT_TAG, ProcessHandle
 from omnid.requests import OperatorRequests, Superseded  # noqa: F401 - Superseded is public here too
 from omnid.cgroup import CgroupTarget, cgroup_limits
-from omnid.spawnclient import ExitReport, SpawnError, SpawnerClient, SpawnRequest
+from omnid.spawnclient import ExitReport, Spawned, SpawnError, SpawnerClient, SpawnRequest
 from omnid.states import Goal, UnitState, check_transition
 from omnid.tasks import report_crash
 from omnid.termination import ProcessGroupTarget, StopRecord, Target, terminate
@@ -56,28 +56,6 @@ class UnitNotFound(KeyError):
 
 
 _PID_SUFFIX = re.compile(r" \(pid \d+, while \w+\)")
-
-
-@dataclass
-class RestartBook:
-    """Restart bookkeeping: one per unit, or one shared by every member of a worker group,
-    so that backoff, the start limit and the generation count the group as one thing."""
-
-    start_times: collections.deque = field(default_factory=collections.deque)
-    consecutive_failures: int = 0
-    restart_at: float = 0.0  # monotonic; no automatic start before
-    restart_pending: bool = False
-    gave_up: bool = False
-    generation: int = 0  # starts so far (a worker group's start counts once)
-    # Worker groups only: the group is up (a generation was opened and none of its members
-    # failed yet); `down_reason` names the member whose failure took the generation down.
-    up: bool = False
-    down_reason: str | None = None
-    failure_counted: bool = False
-
-
-def _book_field(name: str) -> property:
-    return property(lambda u: getattr(u.book, name), lambda u, value: setattr(u.book, name, value))
 
 
 @dataclass
@@ -112,11 +90,11 @@ class Unit:
     goal_seq: int = 0  # bumped by every operator start/stop: a waiter sees it was overtaken
     goal_by: str = ""  # "start" or "stop": the last operator request on this unit
 
-    start_times = _book_field("start_times")
-    consecutive_failures = _book_field("consecutive_failures")
-    restart_at = _book_field("restart_at")
-    restart_pending = _book_field("restart_pending")
-    gave_up = _book_field("gave_up")
+    start_times = book_field("start_times")
+    consecutive_failures = book_field("consecutive_failures")
+    restart_at = book_field("restart_at")
+    restart_pending = book_field("restart_pending")
+    gave_up = book_field("gave_up")
 
     @property
     def name(self) -> str:
@@ -154,7 +132,7 @@ class Unit:
         }
 
 
-class Supervisor(OperatorRequests, Monitors, Invariants):
+class Supervisor(OperatorRequests, Monitors, Invariants, WorkerGroups):
     """Units' state and the ops that change it; operator requests, monitors and the
     invariant check are mixed in from omnid.requests, omnid.monitors, omnid.invariants."""
 
@@ -381,36 +359,11 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
             return u.restart_pending
         return True
 
-    @staticmethod
-    def _group_down_for_good(u: Unit) -> bool:
-        """A member failed and the group will not restart by itself (restart = "no", start limit)."""
-        book = u.book
-        return bool(u.spec.worker_group) and book.down_reason is not None and (book.gave_up or not book.restart_pending)
-
-    def _group_settled(self, u: Unit, skip: frozenset = frozenset()) -> bool:
-        """Is every member of u's worker group down, with nothing under way?"""
-        for m in self.stack.group_members(u.name):
-            mu = self.units[m]
-            if m not in skip and (mu.op is not None or mu.state not in (S.INACTIVE, S.FAILED)):
-                return False
-        return True
-
     def _may_start(self, u: Unit, now: float) -> bool:
         if u.op is not None or u.goal is not Goal.ACTIVE or u.gave_up or self.shutting_down:
             return False
         if u.spec.worker_group:
-            if u.book.up:
-                # The group's generation is open: a member that is down joins it at once.
-                return u.state in (S.INACTIVE, S.FAILED) and self._requirements_up(u)
-            # A new generation starts only once every member is down (none left blocked in a
-            # collective of the old one) and the group's backoff has passed.
-            if not self._group_settled(u) or self._group_down_for_good(u):
-                return False
-            if u.book.restart_pending and now < u.book.restart_at:
-                return False
-            if any(self.units[m].goal is not Goal.ACTIVE for m in self.stack.group_members(u.name)):
-                return False
-            return self._requirements_up(u)
+            return self._member_may_start(u, now)
         if u.state is S.FAILED:
             if not u.restart_pending or now < u.restart_at:
                 return False
@@ -460,19 +413,6 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
                     self._open_generation(u, now)
                 self._launch(u, "start", self._start(u))
         self._refresh_waiting_reasons()
-
-    def _open_generation(self, u: Unit, now: float) -> None:
-        """A worker group starts (again) as one: counted once against its start limit."""
-        book = u.book
-        self._count_start(u, now)
-        book.start_times.append(now)
-        book.generation += 1
-        book.up = True
-        book.down_reason = None
-        book.failure_counted = False
-        book.restart_pending = False
-        log.info("worker group starting", group=u.spec.worker_group, generation=book.generation,
-                 members=list(self.stack.group_members(u.name)))
 
     def _launch(self, u: Unit, kind: str, coro: Awaitable[None]) -> None:
         u.op_kind = kind
@@ -554,32 +494,18 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         return env
 
-    def _group_env(self, u: Unit) -> dict[str, str]:
-        """OMNID_GENERATION for every unit; a worker group's rank and size; torch's env:// rendezvous."""
-        env = {"OMNID_GENERATION": str(u.book.generation)}
-        if not u.spec.worker_group:
-            return env
-        members = self.stack.group_members(u.name)
-        rank = members.index(u.name)
-        env.update(OMNID_WORKER_GROUP=u.spec.worker_group, OMNID_GROUP_RANK=str(rank),
-                   OMNID_GROUP_SIZE=str(len(members)))
-        td = u.spec.torch_distributed
-        if td is not None:
-            env.update(MASTER_ADDR=td.master_addr, MASTER_PORT=str(td.master_port), RANK=str(rank),
-                       WORLD_SIZE=str(len(members)), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(len(members)))
-        return env
-
     def _count_start(self, u: Unit, now: float) -> int:
         window = u.spec.start_limit_interval
         while u.start_times and now - u.start_times[0] > window:
             u.start_times.popleft()
         return len(u.start_times)
 
-    async def _start(self, u: Unit) -> None:
-        spec = u.spec
-        now = time.monotonic()
+    def _begin_start(self, u: Unit) -> str:
+        """Count the start (a worker group's was counted when its generation opened) and
+        return the reason the `starting` state will carry."""
         automatic = u.state is S.FAILED
-        if not u.spec.worker_group:  # a group's start was counted when its generation opened
+        if not u.spec.worker_group:
+            now = time.monotonic()
             self._count_start(u, now)
             u.start_times.append(now)
             u.book.generation += 1
@@ -591,46 +517,56 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
         u.ready_event = asyncio.Event()
         u.stopping_notified = False
         u.status_text = ""
-        reason = f"restart {u.restarts} after: {u.last_exit}" if automatic else "starting"
         if u.spec.worker_group and u.book.generation > 1:
-            reason = f"worker group {u.spec.worker_group} generation {u.book.generation}"
-        # The unit becomes `starting` only once its process exists and its pidfd is
-        # held (the invariant); a spawn that fails goes straight to `failed`.
+            return f"worker group {u.spec.worker_group} generation {u.book.generation}"
+        return f"restart {u.restarts} after: {u.last_exit}" if automatic else "starting"
+
+    def _spawn_failed(self, u: Unit, what: str) -> None:
+        """No process came of this start: failed at once (restart policy applies)."""
+        if self.cgroups:
+            self.cgroups.release(u.name)  # cgroup hook: nothing runs in it
+        self._record_failure(u, what)
+        self._transition(u, E.SPAWN_FAILED, self._failure_reason(u, what))
+
+    async def _spawn(self, u: Unit) -> tuple[Spawned, int] | None:
+        """Everything a spawn needs, then the spawn: (the spawner's answer, the read end of the
+        unit's output pipe), or None after a failed spawn (already reported)."""
+        spec = u.spec
         held = self._gpu_held_by_leftover(u)
         if held:
-            self._record_failure(u, held)
-            self._transition(u, E.SPAWN_FAILED, self._failure_reason(u, held))
-            return
+            self._spawn_failed(u, held)
+            return None
         try:  # cgroup hook: the instance's cgroup exists before the child joins it (pre-exec)
             cg_path = self.cgroups.create(u.name, cgroup_limits(spec)).path if self.cgroups else None
         except OSError as exc:
-            what = f"cannot create the unit's cgroup: {exc}"
-            self._record_failure(u, what)
-            self._transition(u, E.SPAWN_FAILED, self._failure_reason(u, what))
-            return
+            self._spawn_failed(u, f"cannot create the unit's cgroup: {exc}")
+            return None
         try:
             r, w = os.pipe2(os.O_CLOEXEC)
-        except OSError as exc:  # issue #9: EMFILE is a failed spawn (backoff), not a crashed op
+        except OSError as exc:  # EMFILE is a failed spawn (backoff), not a crashed op
             code = errno.errorcode.get(exc.errno or 0, exc.errno)
-            why = f"spawn failed: {code}: cannot create the output pipe ({exc.strerror})"
-            if self.cgroups:
-                self.cgroups.release(u.name)
-            self._record_failure(u, why)
-            self._transition(u, E.SPAWN_FAILED, self._failure_reason(u, why))
-            return
+            self._spawn_failed(u, f"spawn failed: {code}: cannot create the output pipe ({exc.strerror})")
+            return None
         req = SpawnRequest(unit=u.name, argv=tuple(self._argv(spec)), env=self._env(u), cwd=spec.cwd,
                            user=spec.user, group=spec.group, rlimits=tuple(spec.limits), cgroup=cg_path)
         try:
-            sp = await self.spawner.spawn(req, w)
+            return await self.spawner.spawn(req, w), r
         except SpawnError as exc:
             os.close(r)
-            if self.cgroups:
-                self.cgroups.release(u.name)  # cgroup hook: nothing was spawned into it
-            self._record_failure(u, str(exc))
-            self._transition(u, E.SPAWN_FAILED, self._failure_reason(u, str(exc)))
-            return
+            self._spawn_failed(u, str(exc))
+            return None
         finally:
             os.close(w)
+
+    async def _start(self, u: Unit) -> None:
+        spec = u.spec
+        reason = self._begin_start(u)
+        # The unit becomes `starting` only once its process exists and its pidfd is
+        # held (the invariant); a spawn that fails goes straight to `failed`.
+        spawned = await self._spawn(u)
+        if spawned is None:
+            return
+        sp, r = spawned
         assert u.output is not None
         u.output.attach(r)
         h = ProcessHandle(unit=u.name, pid=sp.pid, pidfd=sp.pidfd, pgid=sp.pid, start_time=sp.start_time)
@@ -746,12 +682,8 @@ class Supervisor(OperatorRequests, Monitors, Invariants):
         u.last_exit = what
         u.cause = _PID_SUFFIX.sub("", what)
         u.deaths += 1
-        if u.spec.worker_group and u.book.down_reason is None:
-            # Every other member is stopped now (converge): survivors of a dead rank would hang
-            # in their next collective, holding their GPUs.
-            u.book.down_reason = f"{u.name} failed: {what}"
-            u.book.up = False
-            self._kick()
+        if u.spec.worker_group:
+            self._member_failed(u, what)
 
     def _failure_reason(self, u: Unit, what: str) -> str:
         """Decide restart or give-up; returns the reason text for the FAILED state."""

@@ -350,8 +350,13 @@ def test_health_connection_flood_neither_kills_the_daemon_nor_stops_omnid_status
             conns.append(c)
         # Let the daemon accept (or refuse) every queued connection: the listener's queue drains.
         drained = poll_queue(d.health_port)
-        fds = daemon_fds(d.pid)
-        print(f"accept queue drained: {drained}; daemon fds during the flood: {fds}")
+        peak = daemon_fds(d.pid)
+        # An evicted connection's fd is closed a loop turn after its abort, so right after a
+        # burst of accepts the count can overshoot the cap by up to one accept batch (the
+        # listen backlog); what must hold is the steady state under the flood.
+        fds = wait_for(lambda: (n := daemon_fds(d.pid)) < 400 and n, 10,
+                       f"the daemon's fds under 400 during the flood (cap 256 connections; peak {peak})")
+        print(f"accept queue drained: {drained}; daemon fds during the flood: peak {peak}, then {fds}")
         probe = d.http("/health/live")[0]  # a prober's connection evicts an idle one held by the flood
         r = omnid("--control", d.control, "status", timeout=30)
         assert d.proc.poll() is None, f"daemon died during the flood (rc {d.proc.returncode}):\n{d.log()[-3000:]}"

@@ -14,6 +14,7 @@ import structlog
 from aiohttp import web
 
 from omnid.output import add_counters
+from omnid.process import tree_usage
 from omnid.cgroup import backend as cgroup_backend
 from omnid.supervisor import Supervisor, Unit
 from omnid.states import UnitState
@@ -44,25 +45,9 @@ def unit_reason(u: Unit, degraded: dict[str, str]) -> str:
 
 
 def group_usage(u: Unit) -> tuple[int, float, int]:
-    """(RSS bytes, CPU seconds, processes) over the unit's process group."""
-    if u.proc is None:
-        return 0, 0.0, 0
-    rss, cpu, n = 0, 0.0, 0
-    try:
-        main = psutil.Process(u.proc.pid)
-        procs = [main, *main.children(recursive=True)]
-    except psutil.Error:
-        return 0, 0.0, 0
-    for p in procs:
-        try:
-            with p.oneshot():
-                rss += p.memory_info().rss
-                t = p.cpu_times()
-                cpu += t.user + t.system
-                n += 1
-        except psutil.Error:
-            continue
-    return rss, cpu, n
+    """(RSS bytes, CPU seconds, processes) over the unit's process tree."""
+    use = tree_usage(u.proc.pid if u.proc else None)
+    return (use.rss, use.cpu_s, use.processes) if use else (0, 0.0, 0)
 
 
 MAX_CONNECTIONS = 256  # open health connections; more are closed at accept (man omnid(8) SECURITY)

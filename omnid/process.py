@@ -16,6 +16,40 @@ from dataclasses import dataclass, field
 
 from omnid import linux
 
+
+@dataclass(frozen=True)
+class TreeUsage:
+    rss: int  # bytes, summed over the tree
+    cpu_s: float  # user + system seconds
+    processes: int
+    threads: int
+
+
+def tree_usage(pid: int | None) -> TreeUsage | None:
+    """Resources of a unit's main process and its descendants (psutil), or None when it is
+    not running: for /metrics in the daemon and for `omnid status` on the same host."""
+    if not pid:
+        return None
+    import psutil
+
+    try:
+        main = psutil.Process(pid)
+        procs = [main, *main.children(recursive=True)]
+    except psutil.Error:
+        return None
+    rss, cpu, n, threads = 0, 0.0, 0, 0
+    for p in procs:
+        try:
+            with p.oneshot():
+                rss += p.memory_info().rss
+                t = p.cpu_times()
+                cpu += t.user + t.system
+                threads += p.num_threads()
+                n += 1
+        except psutil.Error:
+            continue
+    return TreeUsage(rss, cpu, n, threads)
+
 # The tag every unit process carries (and inherits to its descendants).
 UNIT_TAG = "OMNID_UNIT"
 # Names the daemon instance that spawned a process: proof of ownership for leftovers.

@@ -38,26 +38,10 @@ def colour_state(text: str, state: str, on: bool) -> str:
 def unit_usage(pid: int | None) -> tuple[int, float, int] | None:
     """(RSS bytes, CPU seconds, tasks = threads) over a unit's main process and its descendants,
     read here from /proc (the CLI runs on the daemon's host); None when it is not running."""
-    if not pid:
-        return None
-    import psutil
+    from omnid.process import tree_usage
 
-    try:
-        main = psutil.Process(pid)
-        procs = [main, *main.children(recursive=True)]
-    except psutil.Error:
-        return None
-    rss, cpu, tasks = 0, 0.0, 0
-    for p in procs:
-        try:
-            with p.oneshot():
-                rss += p.memory_info().rss
-                t = p.cpu_times()
-                cpu += t.user + t.system
-                tasks += p.num_threads()
-        except psutil.Error:
-            continue
-    return rss, cpu, tasks
+    use = tree_usage(pid)
+    return (use.rss, use.cpu_s, use.threads) if use else None
 
 
 def human_bytes(n: float) -> str:

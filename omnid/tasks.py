@@ -1,5 +1,5 @@
 """Every asyncio task omnid creates has an owner that hears how it ended
-(STYLE.md: "no asyncio task whose exception nobody sees").
+(a house rule: no asyncio task whose exception nobody sees).
 
 - `unit_task`: a task working for one unit (start, stop, liveness...). An
   unexpected exception is logged once, with the unit name, and handed to

@@ -1,4 +1,4 @@
-"""Issue 3 behaviours (shared/FAILURE_MATRIX.md, DESIGN.md "Failure detection and
+"""Issue 3 behaviours (the failure matrix, omnid(8) "Failure detection and
 propagation") on a small stack of test programs: real processes, signalled by the
 pids omnid reports, checked against /proc, the health HTTP API and the event stream.
 """

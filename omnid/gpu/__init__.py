@@ -1,6 +1,6 @@
 """GPU truth: which GPUs exist, how full they are, and which pids hold memory on them.
 
-This is the "GPU awareness" part of shared/DESIGN.md (Part 1). The supervisor uses it
+This is the "GPU awareness" part of the design (omnid(8)). The supervisor uses it
 for the residue check after a stop (`wait_released`, `gpu_release_ms`), to refuse a
 start on a GPU still held by a leftover process (`holders_of`), for GPU figures in
 `status` and `/metrics` (`GpuBackend.gpus`), and for `gpu_min_free_mib`.

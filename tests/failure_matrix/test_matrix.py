@@ -1,4 +1,4 @@
-"""The failure matrix (shared/FAILURE_MATRIX.md) on the reference stack: one test per
+"""The failure matrix (rows FM-01..FM-22) on the reference stack: one test per
 row, named after it. Every row checks the kernel (/proc), not omnid's word alone.
 
 Figures each row measured (death -> failed, worst in-flight end) are appended

@@ -1,5 +1,6 @@
-"""A unit's stdout/stderr: one pipe read by the daemon, logged line by line with
-the unit's name, the last lines kept for `omnid logs` (DESIGN.md "The child's environment")."""
+"""A unit's stdout and stderr: a pipe each, read by the daemon, logged line by line with
+the unit's name and stream, the last lines kept for `omnid logs` (omnid.unit(5),
+"ENVIRONMENT OF A UNIT")."""
 
 from __future__ import annotations
 
@@ -27,83 +28,119 @@ ECHO_PER_SEC = 200
 KEEP_BYTES = 1 << 20
 
 
+class _Pipe:
+    """One read end (stdout or stderr) of a unit's process: bytes in, whole lines out."""
+
+    def __init__(self, owner: "UnitOutput", fd: int, stream: str) -> None:
+        self.owner, self.fd, self.stream = owner, fd, stream
+        self.partial = b""
+        self.read_window = 0.0
+        self.read_bytes = 0
+        self.paused: asyncio.TimerHandle | None = None
+        os.set_blocking(fd, False)
+        asyncio.get_running_loop().add_reader(fd, self.readable)
+
+    def readable(self) -> None:
+        for _ in range(READS_PER_TURN):
+            try:
+                chunk = os.read(self.fd, READ_SIZE)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                log.warning("unit output read failed", unit=self.owner.unit, stream=self.stream, error=str(exc))
+                self.drain_and_close()
+                return
+            if not chunk:  # every writer closed it: the unit and its children are gone
+                self.flush()
+                self.close()
+                return
+            self.feed(chunk)
+            now = time.monotonic()
+            if now - self.read_window >= 1.0:
+                self.read_window, self.read_bytes = now, 0
+            self.read_bytes += len(chunk)
+            if self.read_bytes >= READ_BYTES_PER_SEC:
+                self.pause(self.read_window + 1.0 - now)
+                return
+
+    def pause(self, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self.fd)
+        self.owner.read_pauses += 1
+        self.paused = loop.call_later(max(0.0, seconds), self.resume)
+
+    def resume(self) -> None:
+        self.paused = None
+        if self.fd >= 0:
+            asyncio.get_running_loop().add_reader(self.fd, self.readable)
+
+    def feed(self, chunk: bytes) -> None:
+        data = self.partial + chunk
+        *complete, self.partial = data.split(b"\n")
+        if len(self.partial) > MAX_LINE:
+            complete.append(self.partial)
+            self.partial = b""
+        if complete:
+            self.owner._emit_many(complete, self.stream)
+
+    def flush(self) -> None:
+        if self.partial:
+            self.owner._emit_many([self.partial], self.stream)
+            self.partial = b""
+
+    def drain_and_close(self) -> None:
+        """Take what is buffered (bounded: a leftover writer must not hold the loop), then close."""
+        if self.fd < 0:
+            return
+        try:
+            for _ in range(64):
+                chunk = os.read(self.fd, READ_SIZE)
+                if not chunk:
+                    break
+                self.feed(chunk)
+        except (BlockingIOError, OSError):
+            pass
+        self.flush()
+        self.close()
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        if self.paused is not None:
+            self.paused.cancel()
+            self.paused = None
+        try:
+            asyncio.get_running_loop().remove_reader(self.fd)
+        except RuntimeError:
+            pass
+        os.close(self.fd)
+        self.fd = -1
+
+
 class UnitOutput:
-    """Ring buffer of a unit's recent lines; survives restarts of the unit."""
+    """Ring buffer of a unit's recent lines, each with its time and stream (stdout or
+    stderr: one pipe each, read separately); survives restarts of the unit."""
 
     def __init__(self, unit: str, keep: int = 2000, echo: bool = True) -> None:
         self.unit = unit
-        # (timestamp, stream, line); stdout and stderr share one pipe today, so the
-        # stream is "output" for both.
-        self.lines: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=keep)
+        self.lines: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=keep)  # (ts, stream, line)
         self.kept_bytes = 0
         self.echo = echo
         self.lines_total = 0
         self.lines_truncated = 0
         self.echo_dropped = 0  # lines not echoed into the daemon's log (rate limit)
         self.evicted_for_bytes = 0
+        self.read_pauses = 0
         self._echo_window = 0.0
         self._echo_count = 0
-        self._fd = -1
-        self._partial = b""
-        self._read_window = 0.0
-        self._read_bytes = 0
-        self._paused: asyncio.TimerHandle | None = None
-        self.read_pauses = 0
+        self._pipes: list[_Pipe] = []
 
-    def attach(self, fd: int) -> None:
-        """Start reading a new process's output pipe (read end, owned from now on)."""
+    def attach(self, out_fd: int, err_fd: int | None = None) -> None:
+        """Start reading a new process's stdout (and stderr) pipes (read ends, owned from now on)."""
         self.detach()
-        os.set_blocking(fd, False)
-        self._fd = fd
-        asyncio.get_running_loop().add_reader(fd, self._readable)
-
-    def _readable(self) -> None:
-        for _ in range(READS_PER_TURN):
-            try:
-                chunk = os.read(self._fd, READ_SIZE)
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                log.warning("unit output read failed", unit=self.unit, error=str(exc))
-                self.detach()
-                return
-            if not chunk:  # every writer closed it: the unit and its children are gone
-                self._flush_partial()
-                self._close()
-                return
-            self._feed(chunk)
-            now = time.monotonic()
-            if now - self._read_window >= 1.0:
-                self._read_window, self._read_bytes = now, 0
-            self._read_bytes += len(chunk)
-            if self._read_bytes >= READ_BYTES_PER_SEC:
-                self._pause(self._read_window + 1.0 - now)
-                return
-
-    def _pause(self, seconds: float) -> None:
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(self._fd)
-        self.read_pauses += 1
-        self._paused = loop.call_later(max(0.0, seconds), self._resume)
-
-    def _resume(self) -> None:
-        self._paused = None
-        if self._fd >= 0:
-            asyncio.get_running_loop().add_reader(self._fd, self._readable)
-
-    def _feed(self, chunk: bytes) -> None:
-        data = self._partial + chunk
-        *complete, self._partial = data.split(b"\n")
-        if len(self._partial) > MAX_LINE:
-            complete.append(self._partial)
-            self._partial = b""
-        if complete:
-            self._emit_many(complete)
-
-    def _flush_partial(self) -> None:
-        if self._partial:
-            self._emit_many([self._partial])
-            self._partial = b""
+        self._pipes = [_Pipe(self, out_fd, "stdout" if err_fd is not None else "output")]
+        if err_fd is not None:
+            self._pipes.append(_Pipe(self, err_fd, "stderr"))
 
     def _echo_budget(self, now: float, n: int) -> int:
         """How many of n new lines may still be echoed into the daemon's log this second."""
@@ -118,7 +155,7 @@ class UnitOutput:
         self._echo_count += n
         return take
 
-    def _emit_many(self, raws: list[bytes]) -> None:
+    def _emit_many(self, raws: list[bytes], stream: str) -> None:
         """Lines that can neither be echoed (rate limit) nor stay in the ring buffer
         (the last `keep` of this batch win) are only counted: a flood costs one split
         per read, not per-line work."""
@@ -128,19 +165,19 @@ class UnitOutput:
         echo_n = self._echo_budget(now, n) if self.echo else 0
         self.echo_dropped += (n - echo_n) if self.echo else 0
         for raw in raws[:echo_n]:
-            log.info(self._keep(raw, now), unit=self.unit, stream="output")
+            log.info(self._keep(raw, now, stream), unit=self.unit, stream=stream)
         tail_from = max(echo_n, n - (self.lines.maxlen or n))
         for raw in raws[tail_from:]:
-            self._keep(raw, now)
+            self._keep(raw, now, stream)
 
-    def _keep(self, raw: bytes, now: float) -> str:
+    def _keep(self, raw: bytes, now: float, stream: str) -> str:
         if len(raw) > MAX_LINE:
             raw = raw[:MAX_LINE]
             self.lines_truncated += 1
         line = raw.decode(errors="replace").rstrip("\r")
         if len(self.lines) == self.lines.maxlen:
             self.kept_bytes -= len(self.lines[0][2])
-        self.lines.append((now, "output", line))
+        self.lines.append((now, stream, line))
         self.kept_bytes += len(line)
         while self.kept_bytes > KEEP_BYTES and len(self.lines) > 1:
             self.kept_bytes -= len(self.lines.popleft()[2])
@@ -148,36 +185,14 @@ class UnitOutput:
         return line
 
     def detach(self) -> None:
-        """Drain what is buffered, then stop reading and close the pipe."""
-        if self._fd < 0:
-            return
-        try:
-            for _ in range(64):  # bounded: a leftover writer must not hold the loop
-                chunk = os.read(self._fd, READ_SIZE)
-                if not chunk:
-                    break
-                self._feed(chunk)
-        except (BlockingIOError, OSError):
-            pass
-        self._flush_partial()
-        self._close()
-
-    def _close(self) -> None:
-        if self._fd < 0:
-            return
-        if self._paused is not None:
-            self._paused.cancel()
-            self._paused = None
-        try:
-            asyncio.get_running_loop().remove_reader(self._fd)
-        except RuntimeError:
-            pass
-        os.close(self._fd)
-        self._fd = -1
+        """Drain what is buffered, then stop reading and close the pipes."""
+        for pipe in self._pipes:
+            pipe.drain_and_close()
+        self._pipes = []
 
     @property
     def attached(self) -> bool:
-        return self._fd >= 0
+        return any(p.fd >= 0 for p in self._pipes)
 
     def tail(self, n: int) -> list[dict]:
         items = list(self.lines)[-n:] if n > 0 else []

@@ -246,8 +246,8 @@ class SpawnerClient:
         except OSError as exc:
             log.error("cannot ask the spawner to kill an unowned child", pid=pid, error=str(exc))
 
-    async def spawn(self, req: SpawnRequest, out_w: int) -> Spawned:
-        """Spawn one unit process; out_w becomes its stdout and stderr."""
+    async def spawn(self, req: SpawnRequest, out_w: int, err_w: int | None = None) -> Spawned:
+        """Spawn one unit process; out_w becomes its stdout, err_w its stderr (out_w when None)."""
         if self._closed or self.sock is None:
             raise SpawnError("spawner is not running")
         rid = next(self._ids)
@@ -258,12 +258,13 @@ class SpawnerClient:
         if len(data) > MAX_MESSAGE // 2:
             self._pending.pop(rid, None)
             raise SpawnError(f"spawn request too large ({len(data)} bytes): environment or argv too big")
+        fds = [out_w] if err_w is None else [out_w, err_w]
         try:
-            socket.send_fds(self.sock, [data], [out_w])
+            socket.send_fds(self.sock, [data], fds)
         except BlockingIOError:
             # Socket buffer full: wait until writable, then retry once.
             await self._wait_writable()
-            socket.send_fds(self.sock, [data], [out_w])
+            socket.send_fds(self.sock, [data], fds)
         return await fut
 
     async def _wait_writable(self) -> None:

@@ -49,7 +49,7 @@ def assert_single_threaded() -> None:
         raise SpawnerInvariantError(f"refusing to fork: spawner has {n} threads, must have exactly 1")
 
 
-def _child_setup_and_exec(req: dict, out_fd: int, err_w: int, spawner_pid: int) -> None:
+def _child_setup_and_exec(req: dict, out_fd: int, errout_fd: int, err_w: int, spawner_pid: int) -> None:
     """Runs in the forked child; never returns."""
     stage = "setup"
     try:
@@ -74,7 +74,7 @@ def _child_setup_and_exec(req: dict, out_fd: int, err_w: int, spawner_pid: int) 
         devnull = os.open("/dev/null", os.O_RDWR)
         os.dup2(devnull, 0)
         os.dup2(out_fd, 1)
-        os.dup2(out_fd, 2)
+        os.dup2(errout_fd, 2)
         # Close everything else (the error pipe is close-on-exec and must stay open).
         os.closerange(3, err_w)
         os.closerange(err_w + 1, 1 << 20)
@@ -161,8 +161,10 @@ class Spawner:
     def spawn(self, req: dict, fds: list[int]) -> None:
         """Fork and set up one child; its exec outcome is reported from the poll loop,
         so many spawns overlap instead of each waiting for the previous exec."""
+        # fds: the unit's stdout pipe, then its stderr pipe (the same pipe when only one came).
         out_fd = fds[0] if fds else os.open("/dev/null", os.O_WRONLY | os.O_CLOEXEC)
-        for extra in fds[1:]:
+        errout_fd = fds[1] if len(fds) > 1 else out_fd
+        for extra in fds[2:]:
             os.close(extra)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         try:
@@ -172,12 +174,16 @@ class Spawner:
             os.close(err_r)
             os.close(err_w)
             os.close(out_fd)
+            if errout_fd != out_fd:
+                os.close(errout_fd)
             self.send({"op": "spawn_failed", "id": req["id"], "error": f"fork failed: {exc}"})
             return
         if pid == 0:
-            _child_setup_and_exec(req, out_fd, err_w, self.pid)
+            _child_setup_and_exec(req, out_fd, errout_fd, err_w, self.pid)
         os.close(err_w)
         os.close(out_fd)
+        if errout_fd != out_fd:
+            os.close(errout_fd)
         # Open the pidfd before anything can reap the child: the pid is pinned
         # (at worst a zombie) until this loop calls waitpid.
         pidfd = linux.pidfd_open(pid)

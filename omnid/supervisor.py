@@ -528,9 +528,9 @@ class Supervisor(OperatorRequests, Monitors, Invariants, WorkerGroups):
         self._record_failure(u, what)
         self._transition(u, E.SPAWN_FAILED, self._failure_reason(u, what))
 
-    async def _spawn(self, u: Unit) -> tuple[Spawned, int] | None:
-        """Everything a spawn needs, then the spawn: (the spawner's answer, the read end of the
-        unit's output pipe), or None after a failed spawn (already reported)."""
+    async def _spawn(self, u: Unit) -> tuple[Spawned, int, int] | None:
+        """Everything a spawn needs, then the spawn: (the spawner's answer, the read ends of the
+        unit's stdout and stderr pipes), or None after a failed spawn (already reported)."""
         spec = u.spec
         held = self._gpu_held_by_leftover(u)
         if held:
@@ -541,22 +541,29 @@ class Supervisor(OperatorRequests, Monitors, Invariants, WorkerGroups):
         except OSError as exc:
             self._spawn_failed(u, f"cannot create the unit's cgroup: {exc}")
             return None
+        pipes: list[int] = []
         try:
-            r, w = os.pipe2(os.O_CLOEXEC)
+            pipes.extend(os.pipe2(os.O_CLOEXEC))  # stdout
+            pipes.extend(os.pipe2(os.O_CLOEXEC))  # stderr
         except OSError as exc:  # EMFILE is a failed spawn (backoff), not a crashed op
+            for fd in pipes:
+                os.close(fd)
             code = errno.errorcode.get(exc.errno or 0, exc.errno)
-            self._spawn_failed(u, f"spawn failed: {code}: cannot create the output pipe ({exc.strerror})")
+            self._spawn_failed(u, f"spawn failed: {code}: cannot create the output pipes ({exc.strerror})")
             return None
+        r, w, r_err, w_err = pipes
         req = SpawnRequest(unit=u.name, argv=tuple(self._argv(spec)), env=self._env(u), cwd=spec.cwd,
                            user=spec.user, group=spec.group, rlimits=tuple(spec.limits), cgroup=cg_path)
         try:
-            return await self.spawner.spawn(req, w), r
+            return await self.spawner.spawn(req, w, w_err), r, r_err
         except SpawnError as exc:
             os.close(r)
+            os.close(r_err)
             self._spawn_failed(u, str(exc))
             return None
         finally:
             os.close(w)
+            os.close(w_err)
 
     async def _start(self, u: Unit) -> None:
         spec = u.spec
@@ -566,9 +573,9 @@ class Supervisor(OperatorRequests, Monitors, Invariants, WorkerGroups):
         spawned = await self._spawn(u)
         if spawned is None:
             return
-        sp, r = spawned
+        sp, r, r_err = spawned
         assert u.output is not None
-        u.output.attach(r)
+        u.output.attach(r, r_err)
         h = ProcessHandle(unit=u.name, pid=sp.pid, pidfd=sp.pidfd, pgid=sp.pid, start_time=sp.start_time)
         u.proc = h
         u.last_pgid = h.pgid

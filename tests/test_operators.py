@@ -239,7 +239,7 @@ def test_python_unit_print_reaches_logs_without_pythonunbuffered(tmp_path, daemo
                          "print() output in the unit's log")
         assert lines[0]["line"] == "hello from print" and lines[0]["stream"] and lines[0]["ts"] > 0
         r = omnid("--control", d.control, "logs", "talk", "--text")
-        assert r.returncode == 0 and "[output] hello from print" in r.stdout, r.stdout + r.stderr
+        assert r.returncode == 0 and "[stdout] hello from print" in r.stdout, r.stdout + r.stderr
         assert r.stdout[:4].isdigit()  # a date first
         r = omnid("--control", d.control, "logs", "talk")  # not a TTY: JSON lines
         item = json.loads(r.stdout.splitlines()[0])
@@ -543,3 +543,15 @@ def test_harness_removes_its_temp_dirs_at_exit(tmp_path):
     assert len(made) == 2 and all(p.startswith("/tmp/om") for p in made)
     assert not any(os.path.exists(p) for p in made), made
 
+
+
+def test_logs_tell_stdout_from_stderr(tmp_path, daemon_factory):
+    prog = tmp_path / "both.py"
+    prog.write_text("import sys, time\nprint('to stdout', flush=True)\n"
+                    "print('to stderr', file=sys.stderr, flush=True)\nwhile True: time.sleep(3600)\n")
+    d = daemon_factory(make_stack({"both": f'exec = ["{PY}", "{prog}"]\n'}))
+    d.wait_state("both", "active")
+    lines = wait_for(lambda: (got := d.ok("logs", {"unit": "both", "n": 10})["both"]) and len(got) >= 2 and got,
+                     10, f"both lines in the unit's log (log:\n{d.log()[-2000:]})")
+    streams = {item["line"]: item["stream"] for item in lines}
+    assert streams == {"to stdout": "stdout", "to stderr": "stderr"}, lines

@@ -114,6 +114,10 @@ def print_unit_detail(u: dict, lines: list[dict], *, colour: bool | None = None)
         print(f"       CPU: {use[1]:.3f}s")
     if u.get("gpu_mib") is not None:
         print(f"  GPU mem.: {u['gpu_mib']:.0f} MiB")
+    if u.get("gpu_held"):
+        print(f"  GPU held: {'; '.join(u['gpu_held'])} (after its processes were killed)")
+    elif u.get("gpu_release_ms") is not None:
+        print(f"  GPU free: {u['gpu_release_ms']:.0f} ms after the last stop or failure")
     print(f"  Restarts: {u['restarts']}" + (" (gave up)" if u.get("gave_up") else ""))
     if u.get("last_exit"):
         print(f" Last exit: {u['last_exit']}")
@@ -159,6 +163,9 @@ def print_summary(summary: list[dict]) -> None:
             residue = "UNKILLABLE: " + "; ".join(r["unkillable"])
         elif r.get("residue"):
             residue = f"{len(r['residue'])} killed: " + "; ".join(r["residue"])
+        if r.get("gpu_held"):
+            gpu = "HELD"
+            residue = ("" if residue == "none" else residue + "; ") + "GPU: " + "; ".join(r["gpu_held"])
         rows.append((r["unit"], r["signal"], secs, "SIGKILL" if r["escalated"] else "no", gpu, residue))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     for row in rows:

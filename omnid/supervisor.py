@@ -85,6 +85,10 @@ class Unit:
     monitor: asyncio.Task | None = None
     last_stop: StopRecord | None = None
     death_detect_ms: float | None = None  # pidfd wake-up -> state change, last death
+    # After the last stop or failure: ms until its pids held no GPU memory (None: cannot
+    # tell or still held), and what was still held at the deadline.
+    gpu_release_ms: float | None = None
+    gpu_held: list[str] = field(default_factory=list)
     deaths: int = 0
     cause: str = ""  # the last failure, without pid: what dependents' reasons name
     goal_seq: int = 0  # bumped by every operator start/stop: a waiter sees it was overtaken
@@ -128,6 +132,8 @@ class Unit:
             "instance": self.spec.instance,
             "gpus": list(self.spec.gpus),
             "generation": self.book.generation,
+            "gpu_release_ms": self.gpu_release_ms,
+            "gpu_held": list(self.gpu_held),
             **({"worker_group": self.spec.worker_group} if self.spec.worker_group else {}),
         }
 
@@ -736,6 +742,7 @@ class Supervisor(OperatorRequests, Monitors, Invariants, WorkerGroups):
         self._record_failure(u, what)
         target = self._target(u, h)
         leftovers = target.members()
+        every_pid = [h.pid, *(s.pid for s in leftovers)]
         if leftovers:
             # A half-dead unit never lingers: SIGKILL its group and escaped orphans now
             # (the same policy as a stop, with SIGKILL first).
@@ -749,6 +756,11 @@ class Supervisor(OperatorRequests, Monitors, Invariants, WorkerGroups):
             self.cgroups.release(u.name)  # cgroup hook: rmdir once populated 0
         u.death_detect_ms = (time.monotonic() - t_wake) * 1000
         self._transition(u, E.GONE if u.state is S.STOPPING else E.EXITED, self._failure_reason(u, what), failing=True)
+        if self._gpu_on():
+            # `failed` is published first (its milliseconds matter); the op then holds the
+            # unit until the driver has freed the dead pids' GPU memory (bounded), so a
+            # restart never meets the corpse's allocation and dies of out-of-memory.
+            u.gpu_release_ms, u.gpu_held = await self._gpu_release(u.name, every_pid, u.spec.kill_timeout)
 
     async def _fail_alive(self, u: Unit, what: str, event: Event) -> None:
         """A unit whose main process lives but failed (timeout, watchdog, liveness): stop it, then failed."""
@@ -805,26 +817,39 @@ class Supervisor(OperatorRequests, Monitors, Invariants, WorkerGroups):
         """The one kill policy (omnid.termination) on this unit, then the GPU release check."""
         spec = u.spec
         target = self._target(u, h, orphans)
-        gpu_on = self.gpu is not None and getattr(self.gpu, "available", False)
-        every_pid = {h.pid, *(s.pid for s in target.members())} if gpu_on else set()
+        gpu_on = self._gpu_on()
+        every_pid = [h.pid, *(s.pid for s in target.members())] if gpu_on else []
         rec = await terminate(target, first, spec.stop_timeout, spec.kill_timeout, send_cont=send_cont)
         if self.cgroups:
             self.cgroups.release(u.name)  # cgroup hook: rmdir once populated 0
         if gpu_on:
-            rec.gpu_release_ms = await self._gpu_release(h.pid, list(every_pid), spec.kill_timeout)
+            rec.gpu_release_ms, rec.gpu_held = await self._gpu_release(u.name, every_pid, spec.kill_timeout)
+            u.gpu_release_ms, u.gpu_held = rec.gpu_release_ms, list(rec.gpu_held)
         log.info("stopped", unit=u.name, signal=rec.signal, seconds=rec.seconds, escalated=rec.escalated,
                  residue=len(rec.residue), unkillable=len(rec.unkillable))
         return rec
 
-    async def _gpu_release(self, pid: int, others: list[int], timeout: float) -> float | None:
+    def _gpu_on(self) -> bool:
+        return self.gpu is not None and bool(getattr(self.gpu, "available", False))
+
+    async def _gpu_release(self, name: str, pids: list[int], timeout: float) -> tuple[float | None, list[str]]:
+        """Wait (at most `timeout`) until none of a stopped or dead unit's `pids` holds GPU
+        memory: (ms, []) once free; (None, what is still held) at the deadline; (None, [])
+        when the backend cannot tell. Memory still held is logged as an error, by pid."""
         from omnid import gpu as gpu_mod
 
         try:
-            ms, _left = await gpu_mod.wait_released(self.gpu, [pid, *others], timeout)
-            return ms
+            ms, left = await gpu_mod.wait_released(self.gpu, pids, timeout)
         except Exception as exc:  # noqa: BLE001 - a GPU read error must not break a stop
-            log.warning("gpu release check failed", error=str(exc))
-            return None
+            log.warning("gpu release check failed", unit=name, error=str(exc))
+            return None, []
+        held = [f"pid {p.pid} holds {p.used_mib:.0f} MiB on GPU {p.gpu}" for p in left]
+        if held:
+            log.error("GPU memory still held after the unit's processes were killed", unit=name,
+                      timeout_s=timeout, held=held)
+        elif ms is not None:
+            log.info("gpu memory released", unit=name, ms=round(ms, 1))
+        return ms, held
 
     def on_spawner_gone(self) -> None:
         """Every unit died with the spawner (PDEATHSIG); realign state with that."""

@@ -41,13 +41,14 @@ class StopRecord:
     residue: list[str] = field(default_factory=list)  # killed leftovers (orphans)
     unkillable: list[str] = field(default_factory=list)  # survived SIGKILL + kill_timeout
     gpu_release_ms: float | None = None
+    gpu_held: list[str] = field(default_factory=list)  # GPU memory still held at the deadline
     was: str = ""  # state before the stop
 
     def to_json(self) -> dict:
         # Not dataclasses.asdict: it deep-copies, and a 256-unit summary is on the stop path.
         return {"unit": self.unit, "signal": self.signal, "seconds": self.seconds, "escalated": self.escalated,
                 "residue": list(self.residue), "unkillable": list(self.unkillable),
-                "gpu_release_ms": self.gpu_release_ms, "was": self.was}
+                "gpu_release_ms": self.gpu_release_ms, "gpu_held": list(self.gpu_held), "was": self.was}
 
 
 class Target(Protocol):

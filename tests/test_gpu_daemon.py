@@ -40,3 +40,71 @@ def test_fake_gpu_held_by_a_leftover_refuses_to_start_naming_the_pid(tmp_path, d
     finally:
         leftover.kill()
         leftover.wait()
+
+
+def _held_by(fake, pid: int, mib: int = 2048) -> None:
+    write_fake_gpu_file(fake, {"gpus": [{"index": 0, "total_mib": 8000}],
+                               "processes": [{"pid": pid, "gpu": 0, "used_mib": mib}]})
+
+
+def test_fake_gpu_restart_waits_until_the_dead_workers_memory_is_released(tmp_path, daemon_factory):
+    """The driver frees a killed process's GPU memory some time after its death (hundreds of
+    ms for a large model). `failed` is published at once, but the restart waits for the
+    release, so the new worker does not start on a GPU the corpse still fills."""
+    import os
+    import signal
+    import time
+
+    fake = tmp_path / "gpu.json"
+    write_fake_gpu_file(fake, {"gpus": [{"index": 0, "total_mib": 8000}], "processes": []})
+    stack = make_stack({"worker": 'exec = ["sleep", "1000"]\ngpus = [0]\nrestart = "on-failure"\n'
+                                  'restart_sec = 0.1\nkill_timeout = 10\n'})
+    d = daemon_factory(stack, env={"OMNID_FAKE_GPU": str(fake)})
+    old = d.wait_state("worker", "active")["pid"]
+    _held_by(fake, old)  # what NVML shows while the worker runs, and after its death
+    fault = time.monotonic()
+    os.kill(old, signal.SIGKILL)
+    d.wait_state("worker", "failed", timeout=5)
+    failed_s = time.monotonic() - fault
+    # While the dead pid still holds memory, no new worker may start (observed for 0.6 s).
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:
+        u = d.unit("worker")
+        assert u["pid"] in (None, old) and u["state"] == "failed", f"restarted on a held GPU: {u}"
+        time.sleep(0.02)
+    released = time.monotonic()
+    write_fake_gpu_file(fake, {"gpus": [{"index": 0, "total_mib": 8000}], "processes": []})
+    u = wait_for(lambda: (x := d.unit("worker"))["state"] == "active" and x["pid"] != old and x, 10,
+                 f"the restart once the memory is free\n{d.log()[-2000:]}")
+    assert u["gpu_release_ms"] >= 600, u
+    assert u["gpu_held"] == []
+    assert failed_s < 1.0, f"failed published {failed_s:.3f} s after the kill: it must not wait for the GPU"
+    assert time.monotonic() - released < 10
+
+
+def test_fake_gpu_memory_still_held_after_stop_is_reported_by_pid(tmp_path, daemon_factory):
+    """A stop (and a failure) waits at most kill_timeout for the GPU; what is still held then
+    is named, pid and MiB, in the stop summary, the unit's status and the daemon's log."""
+    import os
+    import signal
+
+    fake = tmp_path / "gpu.json"
+    write_fake_gpu_file(fake, {"gpus": [{"index": 0, "total_mib": 8000}], "processes": []})
+    stack = make_stack({"worker": 'exec = ["sleep", "1000"]\ngpus = [0]\nkill_timeout = 0.5\n',
+                        "other": 'exec = ["sleep", "1000"]\ngpus = [0]\nkill_timeout = 0.5\n'})
+    d = daemon_factory(stack, env={"OMNID_FAKE_GPU": str(fake)})
+    pid = d.wait_state("worker", "active")["pid"]
+    _held_by(fake, pid, 3072)
+    summary = d.ok("stop", {"units": ["worker"]})["summary"]
+    [rec] = [r for r in summary if r["unit"] == "worker"]
+    assert rec["gpu_held"] == [f"pid {pid} holds 3072 MiB on GPU 0"], rec
+    assert rec["gpu_release_ms"] is None
+    assert d.unit("worker")["gpu_held"] == rec["gpu_held"]
+    assert any(e.get("event", "").startswith("GPU memory still held") and e.get("unit") == "worker"
+               for e in d.log_events()), d.log()[-2000:]
+    # The failure path reports the same way (restart = "no" by default here).
+    other = d.wait_state("other", "active")["pid"]
+    _held_by(fake, other, 1024)
+    os.kill(other, signal.SIGKILL)
+    u = wait_for(lambda: (x := d.unit("other"))["gpu_held"] and x, 5, "the held GPU memory named after a failure")
+    assert u["state"] == "failed" and u["gpu_held"] == [f"pid {other} holds 1024 MiB on GPU 0"], u

@@ -116,3 +116,18 @@ def daemon_factory(tmp_path_factory):
     if violations:
         pytest.fail("the daemon's state disagreed with the kernel after a transition:\n" + "\n".join(violations[:10]),
                     pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def real_nvml():
+    """NVML on a real GPU, opened once for the session (or the test skips with the reason).
+
+    libnvidia-ml keeps eventfds and pipes open from its first nvmlInit until the process
+    exits; opened here, before any test's leak baseline, they are not counted as a leak."""
+    from omnid.gpu import NvmlBackend
+
+    backend = NvmlBackend()
+    if not backend.available:
+        pytest.skip(f"needs an NVIDIA GPU with NVML: {backend.reason}")
+    yield backend
+    backend.close()

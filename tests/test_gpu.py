@@ -9,8 +9,6 @@ skipped, with the reason, on a machine without one.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -356,39 +354,19 @@ def test_fake_nvml_no_devices_is_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None
 
 # ---------------------------------------------------------------------------- real GPU
 
-_CUDA_HOLDER = textwrap.dedent("""
-    import ctypes, sys
-    cuda = ctypes.CDLL("libcuda.so.1")
-    def check(result, call):
-        if result != 0:
-            sys.exit(f"{call} failed: CUresult {result}")
-    check(cuda.cuInit(0), "cuInit")
-    device, context, pointer = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
-    check(cuda.cuDeviceGet(ctypes.byref(device), 0), "cuDeviceGet")
-    check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
-    check(cuda.cuCtxSetCurrent(context), "cuCtxSetCurrent")
-    check(cuda.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(256 << 20)), "cuMemAlloc_v2")
-    print("holding", flush=True)
-    sys.stdin.read()
-""")
-
-
 @pytest.mark.gpu
-def test_real_nvml_sees_a_child_holding_gpu_memory_and_its_release() -> None:
-    backend = NvmlBackend()
-    if not backend.available:
-        pytest.skip(f"needs an NVIDIA GPU with NVML: {backend.reason}")
-    try:
-        gpus = backend.gpus()
-        assert gpus and all(g.total_mib > 0 and 0 <= g.free_mib <= g.total_mib for g in gpus)
-        if not backend.pids_local:
-            pytest.skip("NVML reports host pids in this PID namespace; per-pid check impossible")
-        child = subprocess.Popen([sys.executable, "-c", _CUDA_HOLDER], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def test_real_nvml_sees_a_child_holding_gpu_memory_and_its_release(real_nvml: NvmlBackend) -> None:
+    backend = real_nvml
+    gpus = backend.gpus()
+    assert gpus and all(g.total_mib > 0 and 0 <= g.free_mib <= g.total_mib for g in gpus)
+    if not backend.pids_local:
+        pytest.skip("NVML reports host pids in this PID namespace; per-pid check impossible")
+    with subprocess.Popen([sys.executable, "-m", "omnid.demo.gpu_hog", "256"], stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child:
         try:
-            assert child.stdout is not None
+            assert child.stdout is not None and child.stderr is not None
             line = child.stdout.readline()
-            assert line == "holding\n", f"CUDA child failed: {child.stderr.read() if child.stderr else ''}"
+            assert line.startswith("holding 256 "), f"CUDA child failed: {line!r} {child.stderr.read()}"
             deadline = time.monotonic() + 10
             while not (held := memory_held_by(backend, [child.pid])):
                 assert time.monotonic() < deadline, f"NVML never listed pid {child.pid}"
@@ -399,7 +377,5 @@ def test_real_nvml_sees_a_child_holding_gpu_memory_and_its_release() -> None:
         finally:
             child.kill()
             child.wait(timeout=10)
-        ms, leftovers = asyncio.run(wait_released(backend, [child.pid], timeout=10.0))
-        assert leftovers == [] and ms is not None
-    finally:
-        backend.close()
+    ms, leftovers = asyncio.run(wait_released(backend, [child.pid], timeout=10.0))
+    assert leftovers == [] and ms is not None

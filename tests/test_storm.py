@@ -170,7 +170,12 @@ def test_abort_storm_every_request_answered_state_agrees_with_proc(daemon_factor
             assert r["error"]["message"].startswith("superseded: "), r
 
     # Bring everything up once more, then compare every unit with /proc.
-    d.ok("start", {}, timeout=60)
+    try:
+        d.ok("start", {}, timeout=60)
+    except AssertionError as exc:
+        _code, units = d.http("/units")
+        raise AssertionError(f"{exc}\nunits (health API): {json.dumps(units)[:6000]}\n"
+                             f"daemon log tail:\n{d.log()[-6000:]}") from None
 
     def settled():
         us = d.units()

@@ -91,6 +91,7 @@ class Unit:
     gpu_held: list[str] = field(default_factory=list)
     deaths: int = 0
     cause: str = ""  # the last failure, without pid: what dependents' reasons name
+    ready_deadline: float = 0.0  # monotonic: when a `starting` unit is failed for not being ready
     goal_seq: int = 0  # bumped by every operator start/stop: a waiter sees it was overtaken
     goal_by: str = ""  # "start" or "stop": the last operator request on this unit
 
@@ -418,6 +419,11 @@ class Supervisor(OperatorRequests, Monitors, Invariants, WorkerGroups):
                 if u.spec.worker_group and not u.book.up:
                     self._open_generation(u, now)
                 self._launch(u, "start", self._start(u))
+            elif u.state is S.STARTING and u.op is None and u.proc is not None and self._must_stop(u) is None:
+                # Its readiness wait was cancelled for a stop that another request then took
+                # back before the stop began: wait for readiness again (same deadline), or the
+                # unit would sit in `starting` with nobody watching it (found by the FM-22 storm).
+                self._launch(u, "start", self._await_ready(u, u.proc))
         self._refresh_waiting_reasons()
 
     def _launch(self, u: Unit, kind: str, coro: Awaitable[None]) -> None:
@@ -593,6 +599,7 @@ class Supervisor(OperatorRequests, Monitors, Invariants, WorkerGroups):
             self._apply_notify(u, fields)
         asyncio.get_running_loop().add_reader(h.pidfd, self._on_pidfd, u, h)
         self.on_pids_changed()
+        u.ready_deadline = time.monotonic() + spec.ready_timeout
         self._transition(u, E.SPAWNED, reason)  # kicks converge: a stop may be waiting for this spawn
         log.debug("spawned", unit=u.name, pid=h.pid, argv=list(spec.exec))
         await self._await_ready(u, h)
@@ -618,12 +625,13 @@ class Supervisor(OperatorRequests, Monitors, Invariants, WorkerGroups):
         return None
 
     async def _await_ready(self, u: Unit, h: ProcessHandle) -> None:
+        """Wait for readiness until u.ready_deadline (also when resumed after a cancelled wait)."""
         spec = u.spec
         ready_task = asyncio.get_running_loop().create_task(self._readiness(u))
         exit_task = asyncio.get_running_loop().create_task(h.exited.wait())
         try:
-            done, _ = await asyncio.wait({ready_task, exit_task}, timeout=spec.ready_timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            left = max(0.0, u.ready_deadline - time.monotonic())
+            done, _ = await asyncio.wait({ready_task, exit_task}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for t in (ready_task, exit_task):
                 t.cancel()

@@ -70,6 +70,16 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def _fd_targets(pid: int) -> list[str]:
+    out = []
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out.append(os.readlink(f"/proc/{pid}/fd/{name}"))
+        except OSError:
+            continue
+    return sorted(out)
+
+
 def _client(ctx: zmq.Context, control: str, names: list[str], n: int, seed: int,
             sent: list[int], replies: dict[int, dict], lock: threading.Lock, errors: list[str]) -> None:
     rnd = random.Random(seed)
@@ -138,7 +148,7 @@ def test_abort_storm_every_request_answered_state_agrees_with_proc(daemon_factor
     d.wait_all_active(30)
     names = sorted(d.units())
     spawner = d.ok("status")["daemon"]["spawner_pid"]
-    fds_before = _fds(d.pid)
+    fds_before, targets_before = _fds(d.pid), _fd_targets(d.pid)
 
     ctx = zmq.Context()
     sent: list[int] = []
@@ -189,7 +199,52 @@ def test_abort_storm_every_request_answered_state_agrees_with_proc(daemon_factor
         assert [p.pid for p in got] == [u["pid"]], f"{name}: omnid says pid {u['pid']}, /proc has {got}"
     assert not _zombies(no_leaks), f"zombies: {_zombies(no_leaks)}"
     assert [p for p in linux.children_of(spawner) if p not in {u['pid'] for u in us.values()}] == []
-    wait_for(lambda: _fds(d.pid) == fds_before, 10, f"daemon fds back to {fds_before} (now {_fds(d.pid)})")
+    # A leak is more fds than before the storm; the baseline can hold a transient one
+    # (a connection or pipe on its way out), so fewer is fine.
+    wait_for(lambda: _fds(d.pid) <= fds_before, 10,
+             f"daemon fds back to at most {fds_before} (now {_fds(d.pid)}: {_fd_targets(d.pid)}; "
+             f"before: {targets_before})")
     superseded = sum(1 for r in replies.values() if not r["ok"] and r["error"]["code"] == "superseded")
     print(f"storm: {len(sent)} requests, {len(replies)} replies ({superseded} superseded), "
           f"{kills[0] if kills else 0} SIGKILLs, {storm_s:.1f} s, daemon fds {fds_before} -> {_fds(d.pid)}")
+
+
+def test_a_readiness_wait_cancelled_for_a_stop_that_is_taken_back_is_resumed():
+    """Found by the storm: a `starting` unit's readiness wait is cancelled by a stop request,
+    and a start request takes the stop back before the stop begins. The unit used to sit in
+    `starting` forever with nothing waiting for its readiness, and every later start request
+    waited for it. Interleaved here at that exact moment (in-process supervisor, real spawner)."""
+    from omnid.supervisor import Goal
+    from omnid.states import UnitState as S
+    from tests import insup
+    from tests.harness import free_port
+
+    port = free_port()
+    unit = insup.SLEEPER + f'ready = {{ tcp = "127.0.0.1:{port}" }}\nready_timeout = 30\n'
+
+    async def body(sup):
+        import asyncio
+
+        u = sup.units["a"]
+        await insup.until(lambda: u.state is S.STARTING and u.op is not None, 10, "a starting", sup)
+        pid = u.proc.pid
+        await insup.until(lambda: not sup._converge_pending, 5, "no converge queued", sup)
+        held: list[int] = []
+        sup._converge = lambda: held.append(1)  # later kicks queue this: the converge is held
+        u.goal = Goal.INACTIVE  # what a stop request does to the goal...
+        type(sup)._converge(sup)  # ...and the converge it kicks cancels the readiness wait
+        await insup.until(lambda: u.op is None, 5, "the readiness wait cancelled", sup)
+        assert held, "the cancelled wait asked for a converge (the one that would begin the stop)"
+        u.goal = Goal.ACTIVE  # a start request lands before that converge runs
+        del sup._converge
+        sup._converge_pending = False
+        sup._kick()
+        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", port)
+        try:
+            await insup.until(lambda: u.state is S.ACTIVE, 10, "a active once its port answers", sup)
+        finally:
+            server.close()
+            await server.wait_closed()
+        assert u.proc.pid == pid, "the same process, not a restart"
+
+    insup.run({"a": unit}, body)

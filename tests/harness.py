@@ -42,6 +42,12 @@ def remove_temp_dirs() -> None:
         shutil.rmtree(_TEMP_DIRS.pop(), ignore_errors=True)
 
 
+def repo_pythonpath() -> str:
+    """PYTHONPATH with this repository first and what the environment already had after it
+    (where the dependencies live on a machine without a venv)."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,22 +9,19 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from omnid.units import UNIT_KEYS, UnitFileError, check_stack
-from tests.harness import Daemon, make_stack
+from tests.harness import Daemon, make_stack, repo_pythonpath
 
 UNIT_CASES = 400
 RAW_TOML_CASES = 300
 CONTROL_CASES = 300
-REPO = Path(__file__).resolve().parent.parent
 
 
 # ------------------------------------------------------------------ unit files
@@ -135,7 +132,7 @@ requests = st.fixed_dictionaries(
 def test_control_protocol_property(tmp_path):
     stack = make_stack({"a": 'exec = ["sleep", "1000"]\nstop_timeout = 1\nkill_timeout = 1\n',
                         "b": 'exec = ["sleep", "1000"]\nstop_timeout = 1\nkill_timeout = 1\n'})
-    d = Daemon(stack, env={"PYTHONPATH": str(REPO)}).start()
+    d = Daemon(stack, env={"PYTHONPATH": repo_pythonpath()}).start()
     seen = {"n": 0}
     try:
         d.wait_all_active()

@@ -10,17 +10,15 @@ import os
 import pwd
 import shutil
 import signal
-import stat
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from omnid import linux
-from tests.harness import Daemon, alive, make_stack, wait_for
+from tests.harness import Daemon, alive, make_stack, repo_pythonpath, wait_for
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parent.parent
@@ -39,7 +37,7 @@ def other_uid() -> int:
 
 
 def env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(REPO))
+    return dict(os.environ, PYTHONPATH=repo_pythonpath())
 
 
 def omnid(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
@@ -55,7 +53,7 @@ def daemon():
     made: list[Daemon] = []
 
     def make(units: dict[str, str] | None = None) -> Daemon:
-        d = Daemon(make_stack(units or SLEEPER), env={"PYTHONPATH": str(REPO)})
+        d = Daemon(make_stack(units or SLEEPER), env={"PYTHONPATH": repo_pythonpath()})
         made.append(d)
         return d
 

@@ -30,6 +30,7 @@ from omnid.gpu import (
     wait_released,
     write_fake_gpu_file,
 )
+from tests.harness import wait_for
 
 
 def two_gpus_with_workers() -> FakeGpuBackend:
@@ -367,10 +368,8 @@ def test_real_nvml_sees_a_child_holding_gpu_memory_and_its_release(real_nvml: Nv
             assert child.stdout is not None and child.stderr is not None
             line = child.stdout.readline()
             assert line.startswith("holding 256 "), f"CUDA child failed: {line!r} {child.stderr.read()}"
-            deadline = time.monotonic() + 10
-            while not (held := memory_held_by(backend, [child.pid])):
-                assert time.monotonic() < deadline, f"NVML never listed pid {child.pid}"
-                time.sleep(0.05)
+            held = wait_for(lambda: memory_held_by(backend, [child.pid]), 10, f"NVML to list pid {child.pid}",
+                            interval=0.05)
             # 0.0 = the driver does not tell the amount (some VMs, MIG); the pid still counts
             assert held[0].pid == child.pid and (held[0].used_mib == 0.0 or held[0].used_mib >= 256)
             assert child.pid in {p.pid for p in holders_of(backend, [held[0].gpu])}

@@ -23,25 +23,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from omnid.demo import rankprogress  # noqa: E402
 from tests.harness import Daemon, alive, free_port, make_stack, wait_for  # noqa: E402
 
 
-def progress(directory: Path) -> dict[int, tuple[int, int, float]]:
-    out = {}
-    for f in directory.glob("rank*"):
-        if f.name.endswith(".tmp"):
-            continue
-        try:
-            gen, it, ts, _pid = f.read_text().split()
-        except (OSError, ValueError):
-            continue
-        out[int(f.name[4:])] = (int(gen), int(it), float(ts))
-    return out
 
 
 def group_healthy(directory: Path, n: int, generation: int, after: float) -> bool:
-    p = progress(directory)
-    return len(p) == n and all(g == generation and it >= 2 and ts > after for g, it, ts in p.values())
+    p = rankprogress.read(directory)
+    return len(p) == n and all(g == generation and it >= 2 and ts > after for g, it, ts, _pid in p.values())
 
 
 def run(n: int, repeat: int) -> dict:

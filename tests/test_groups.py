@@ -17,25 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from omnid.demo import rankprogress
 from tests.harness import REPO, alive, free_port, make_stack, wait_for
 
 torch = pytest.importorskip("torch", reason="the collective-job tests need torch (the demo extra)")
 
 PY = sys.executable
-
-
-def read_progress(directory: Path) -> dict[int, tuple[int, int, float, int]]:
-    """rank -> (generation, iteration, wall time of the last collective, pid)."""
-    out = {}
-    for f in directory.glob("rank*"):
-        if f.name.endswith(".tmp"):
-            continue
-        try:
-            gen, it, ts, pid = f.read_text().split()
-        except (OSError, ValueError):
-            continue
-        out[int(f.name[4:])] = (int(gen), int(it), float(ts), int(pid))
-    return out
 
 
 @pytest.fixture
@@ -53,7 +40,7 @@ def _torchrun_stack(progress: Path) -> Path:
 
 
 def _worker_pids(progress: Path, n: int, daemon) -> list[int]:
-    got = wait_for(lambda: (p := read_progress(progress)) and len(p) == n and all(v[1] >= 2 for v in p.values()) and p,
+    got = wait_for(lambda: (p := rankprogress.read(progress)) and len(p) == n and all(v[1] >= 2 for v in p.values()) and p,
                    90, f"{n} torchrun workers all-reducing (log:\n{daemon.log()[-3000:]})")
     return [v[3] for v in got.values()]
 
@@ -112,7 +99,7 @@ def _ranks_stack(progress: Path, n: int, *, group: bool, watchdog: float = 0, re
 
 def _all_reducing(progress: Path, n: int, generation: int, after: float = 0.0):
     """Every rank made >= 2 collectives in `generation`, the last one after `after` (wall time)."""
-    p = read_progress(progress)
+    p = rankprogress.read(progress)
     if len(p) == n and all(v[0] == generation and v[1] >= 2 and v[2] > after for v in p.values()):
         return p
     return None
@@ -174,12 +161,12 @@ def test_without_group_survivor_stays_blocked_in_collective(daemon_factory, prog
     pids = {name: u["pid"] for name, u in d.units().items()}
     os.kill(pids["ranks@1"], signal.SIGSTOP)
     try:
-        stuck_at = wait_for(lambda: (p := read_progress(progress_dir)) and p[0][1], 5, "rank 0's progress")
+        stuck_at = wait_for(lambda: (p := rankprogress.read(progress_dir)) and p[0][1], 5, "rank 0's progress")
         # Over 2 s, rank 0 makes no progress and omnid still calls it active: a hung group that
         # /health reports healthy. (An observation window, not a wait for a condition.)
         deadline = time.monotonic() + 2
         while time.monotonic() < deadline:
-            assert read_progress(progress_dir)[0][1] <= stuck_at + 1
+            assert rankprogress.read(progress_dir)[0][1] <= stuck_at + 1
             assert d.unit("ranks@0")["state"] == "active" and alive(pids["ranks@0"])
             time.sleep(0.1)
         assert d.http("/health")[0] == 200

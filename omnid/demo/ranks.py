@@ -24,6 +24,7 @@ import sys
 import time
 import warnings
 
+from omnid.demo import rankprogress
 from omnid.demo.sdnotify import Notifier, watchdog_interval
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -37,14 +38,6 @@ def _env_int(name: str, default: int) -> int:
         return int(text) if text else default
     except ValueError:
         raise SystemExit(f"ranks: {name}={text!r} is not an integer") from None
-
-
-def _write_progress(directory: str, rank: int, generation: int, iteration: int) -> None:
-    path = os.path.join(directory, f"rank{rank}")
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{generation} {iteration} {time.time():.6f} {os.getpid()}\n")
-    os.replace(tmp, path)
 
 
 def main() -> int:
@@ -80,7 +73,7 @@ def main() -> int:
             return 1
         iteration += 1
         if progress:
-            _write_progress(progress, rank, generation, iteration)
+            rankprogress.write(progress, rank, generation, iteration)
         if iteration == 1:
             notifier.ready(f"rank {rank}/{world}, generation {generation}")
         now = time.monotonic()

@@ -387,6 +387,21 @@ class CgroupRoot:
     def get(self, unit: str) -> UnitCgroup | None:
         return self.units.get(unit)
 
+    def handover(self) -> dict:
+        """For the next program of this daemon (omnid reexec): the root and each unit's cgroup."""
+        return {"path": self.path, "source": self.source, "units": {u: cg.path for u, cg in self.units.items()}}
+
+    @classmethod
+    def take_over(cls, d: dict) -> CgroupRoot:
+        """The root a previous program of this daemon used, with its units' cgroups as they
+        are: nothing is cleaned (what runs there is this daemon's own units)."""
+        root = cls(str(d["path"]), str(d["source"]))
+        for unit, path in d["units"].items():
+            if not str(path).startswith(root.path + "/"):
+                raise ValueError(f"cgroup {path!r} of unit {unit} is not under the root {root.path}")
+            root.units[str(unit)] = UnitCgroup(root, str(unit), str(path))
+        return root
+
     def release(self, unit: str) -> None:
         """The unit is gone: rmdir its cgroup if nothing runs there (else it stays listed)."""
         cg = self.units.get(unit)

@@ -39,7 +39,7 @@ def cmd_daemon(a: argparse.Namespace) -> int:
     from omnid import daemon
 
     return daemon.run(a.units, a.control, a.state_dir, a.health_listen, a.log_format, log_file=a.log_file,
-                      cgroup_root=a.cgroup_root)
+                      cgroup_root=a.cgroup_root, takeover=a.takeover)
 
 
 def cmd_check(a: argparse.Namespace) -> int:
@@ -320,6 +320,33 @@ def cmd_reload(a: argparse.Namespace) -> int:
     return EXIT_OK if result.get("ok", True) else EXIT_FAILED
 
 
+def cmd_reexec(a: argparse.Namespace) -> int:
+    """Hand the running daemon over to the omnid installed now; wait until the new program
+    answers (the control socket is bound again by it) and say which versions."""
+    control = control_of(a)
+    reply = Client(control).call("reexec", {}, timeout=60)
+    print(f"re-executing daemon pid {reply['pid']}: omnid {reply['old_version']} -> {reply['new_version']}")
+    deadline = time.monotonic() + a.timeout
+    while time.monotonic() < deadline:
+        try:
+            # short: a request the closing program took in is lost, the next one is answered
+            st = Client(control).call("status", {}, timeout=1)["daemon"]
+        except CliError:
+            time.sleep(0.05)  # the socket is closed while the program changes
+            continue
+        if st.get("program_since", 0) > reply["program_since"]:
+            units = Client(control).call("status", {}, timeout=5)["units"]
+            running = sum(1 for u in units if u.get("pid"))
+            print(f"re-executed: omnid {st['version']} answers (pid {st['pid']}, re-exec {st['reexecs']}, "
+                  f"{running} unit processes kept)")
+            if st.get("handover_error"):
+                print(f"omnid: the handover could not be used: {st['handover_error']}", file=sys.stderr)
+                return EXIT_FAILED
+            return EXIT_OK
+        time.sleep(0.05)
+    raise CliError(f"the daemon did not answer as re-executed within {a.timeout:g} s (see its log)")
+
+
 def cmd_status(a: argparse.Namespace) -> int:
     client = Client(control_of(a))
     args: dict = {"verify": a.verify}
@@ -478,6 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
     daemon_settings(d)
     d.add_argument("--log-file", metavar="PATH",
                    help="the file stderr goes to, rotated to PATH.1 beyond 8 MiB (omnid start sets it)")
+    # omnid reexec: the fd of what the previous program of this daemon handed over.
+    d.add_argument("--takeover", type=int, metavar="FD", help=argparse.SUPPRESS)
     d.set_defaults(func=cmd_daemon)
 
     s = sub.add_parser("start", help="start the daemon and the stack, or units of a running daemon")
@@ -498,6 +527,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("unit_names", nargs="+", metavar="UNIT", help="units to restart")
     timeout_arg(r, 600, "the units to be back")
     r.set_defaults(func=cmd_restart)
+
+    rx = sub.add_parser("reexec", help="replace the daemon's program with the omnid installed now; units keep running")
+    rx.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                    help="how long to wait for the new program to answer (default 60)")
+    rx.set_defaults(func=cmd_reexec)
 
     rl = sub.add_parser("reload", help="re-read the stack directory and apply only what changed (SIGHUP too)")
     rl.add_argument("--dry-run", action="store_true", help="print the plan and change nothing")

@@ -93,7 +93,15 @@ class Daemon:
         self._control_reader: DaemonTask | None = None
         self._health_task: asyncio.Task | None = None
         self.reexecs = 0  # how many times this daemon replaced its own program (omnid reexec)
+        self.program_since = time.time()  # when this program of the daemon began (a re-exec begins another)
+        self.handover_ms: float | None = None  # exec -> every unit taken over, at the last re-exec
         self.handlers: ControlHandlers | None = None
+        self.zmq: zmq.asyncio.Context | None = None
+        self.health_fd = -1  # a dup of the health listening socket, kept for a re-exec
+        self.lock_fd = -1  # the state directory's lock, held for the daemon's life
+        self.log_file: str | None = None
+        self.reexec: asyncio.Task | None = None  # a re-exec being prepared
+        self.handover_error: str | None = None  # why the last re-exec's handover could not be used
 
     # -- callbacks --------------------------------------------------------------
     def _publish(self, ev: dict) -> None:
@@ -140,10 +148,13 @@ class Daemon:
         """What `status --json` says of the daemon program itself."""
         from omnid.version import version
 
-        return {"version": version(), "reexecs": self.reexecs}
+        return {"version": version(), "reexecs": self.reexecs, "program_since": self.program_since,
+                **({"handover_ms": self.handover_ms} if self.handover_ms is not None else {})}
 
     # -- life ---------------------------------------------------------------------
-    async def run(self) -> int:
+    async def run(self, takeover: dict | None = None) -> int:
+        """Run until the stack is stopped. With `takeover` (a re-exec), continue from what the
+        previous program of this daemon handed over instead of starting the stack."""
         loop = asyncio.get_running_loop()
         self.shutdown_requested = asyncio.Event()
         self.shutdown_result = loop.create_future()
@@ -153,49 +164,93 @@ class Daemon:
         # SIGHUP = `omnid reload` (systemd's ExecReload=): never the default, which would kill
         # the daemon and, with it, every unit.
         loop.add_signal_handler(signal.SIGHUP, self._on_hup)
-        await self.spawner.attach()
-        self.notify = NotifyServer(self.token, self._on_notify, attribute=self._notify_sender)
+        if takeover is None:
+            await self.spawner.attach()
+        else:
+            sp = takeover["spawner"]
+            self.spawner.adopt(int(sp["pid"]), int(sp["pidfd"]), int(sp["sock"]), int(sp["start_time"]))
+        self.notify = NotifyServer(self.token, self._on_notify, attribute=self._notify_sender,
+                                   fd=None if takeover is None else int(takeover["notify"]["fd"]))
+        if takeover is not None:
+            self.notify.counters.update({k: int(v) for k, v in takeover["notify"]["counters"].items()})
         self.notify.start()
         from omnid import gpu as gpu_mod
 
         self.gpu = gpu_mod.open_backend()
         if not self.gpu.available:
             log.info("GPU checks off", reason=self.gpu.reason)
-        ctx = zmq.asyncio.Context()
+        self.zmq = zmq.asyncio.Context()
         self.sup = Supervisor(self.stack, self.spawner, token=self.token, notify_socket=self.notify.address,
                               publish=self._publish,
                               on_pids_changed=self._schedule_state_write,
                               check_invariants=os.environ.get("OMNID_CHECK_INVARIANTS") == "1",
                               gpu=self.gpu, cgroups=self.cgroups)
+        if takeover is not None:
+            self.sup.take_over(takeover["supervisor"])
+            self.metrics.take_over(takeover["metrics"])
         self.handlers = ControlHandlers(self)
-        self.control = ControlServer(ctx, self.cfg.control, self.handlers.table())
-        self.control.bind()
-        # Daemon-wide tasks are supervised: a crash is logged and the task restarted.
-        self._control_reader = DaemonTask("control reader", self._start_control_reader).start()
+        self._open_control()
         if self.gpu.available:
             self._gpu_task = DaemonTask("GPU watch", lambda: loop.create_task(self._gpu_watch())).start()
-        try:
-            # Bound now with a plain socket, so a busy port fails the daemon before any unit
-            # starts; aiohttp (a ~100 ms import) takes it over once the first spawns are out.
-            health_sock = bind_listener(self.cfg.health_listen)
-        except OSError as exc:
-            log.error("health API cannot listen", listen=self.cfg.health_listen, error=str(exc))
-            self.exit_code = 1
-            self.shutdown_requested.set()
-            health_sock = None
+        health_sock = self._health_socket(takeover)
         self._write_state()
-        log.info("daemon ready", units_dir=self.cfg.units_dir, control=self.cfg.control,
-                 health=self.cfg.health_listen, units=len(self.sup.units), spawner_pid=self.spawner.pid)
+        if takeover is not None:
+            self.handover_ms = round((time.monotonic() - float(takeover["exec_at"])) * 1000, 1)
+        log.info("daemon ready" if takeover is None else "daemon re-executed: every unit taken over",
+                 units_dir=self.cfg.units_dir, control=self.cfg.control, health=self.cfg.health_listen,
+                 units=len(self.sup.units), spawner_pid=self.spawner.pid, reexecs=self.reexecs,
+                 handover_ms=self.handover_ms)
         startup_task = None
         if health_sock is not None:
             self.service.status(f"starting: {startup.progress(self.sup)}")
             self.service.start_watchdog()
-            self.sup.kick()
+            if takeover is None:
+                self.sup.kick()
+            else:
+                self.sup.resume()
             self._health_task = report_crash(loop.create_task(self._start_health(health_sock)), "health API start")
-            startup_task = loop.create_task(startup.watch(self.sup, self.service, self.settled,
-                                                          self.shutdown_requested))
-            startup_task.add_done_callback(self._report_task)
+            if takeover is not None and takeover["settled"]:
+                self.settled.set()
+                self.service.status(f"ready: {startup.progress(self.sup)} (re-executed)")
+            else:
+                startup_task = loop.create_task(startup.watch(self.sup, self.service, self.settled,
+                                                              self.shutdown_requested))
+                startup_task.add_done_callback(self._report_task)
         await self.shutdown_requested.wait()
+        return await self._stop(startup_task)
+
+    def _open_control(self) -> None:
+        assert self.handlers is not None
+        self.control = ControlServer(self.zmq, self.cfg.control, self.handlers.table())
+        self.control.bind()
+        # Daemon-wide tasks are supervised: a crash is logged and the task restarted.
+        self._control_reader = DaemonTask("control reader", self._start_control_reader).start()
+
+    def _health_socket(self, takeover: dict | None) -> socket.socket | None:
+        """Bound now with a plain socket, so a busy port fails the daemon before any unit starts
+        (aiohttp, a ~100 ms import, takes it over once the first spawns are out). A dup of it is
+        kept for a re-exec: the listening socket outlives the program, so no connection is
+        refused while the next one loads."""
+        assert self.shutdown_requested is not None
+        try:
+            if takeover is None:
+                sock = bind_listener(self.cfg.health_listen)
+            else:
+                fd = int(takeover["health"]["fd"])
+                os.set_inheritable(fd, False)
+                sock = socket.socket(fileno=fd)
+                sock.setblocking(False)
+        except OSError as exc:
+            log.error("health API cannot listen", listen=self.cfg.health_listen, error=str(exc))
+            self.exit_code = 1
+            self.shutdown_requested.set()
+            return None
+        self.health_fd = os.dup(sock.fileno())
+        return sock
+
+    async def _stop(self, startup_task: asyncio.Task | None) -> int:
+        assert self.sup is not None and self.control is not None and self.notify is not None
+        assert self.shutdown_result is not None
         self.service.send("STOPPING=1", "STATUS=stopping the stack")
         log.info("stopping the stack")
         if startup_task is not None:
@@ -223,6 +278,17 @@ class Daemon:
             await asyncio.sleep(0.01)
         if self._gpu_task is not None:
             self._gpu_task.close()
+        await self._close_front()
+        self.notify.close()
+        await self.spawner.shutdown()
+        self.state.remove()
+        self.service.status(f"stopped (exit {self.exit_code})")
+        self.service.close()
+        return self.exit_code
+
+    async def _close_front(self) -> None:
+        """The control socket, the event stream and the health API (its listening socket
+        stays open through the dup kept for a re-exec)."""
         if self._control_reader is not None:
             self._control_reader.close()
         if self._health_task is not None:
@@ -232,14 +298,46 @@ class Daemon:
                 log.error("health API start failed", error=str(exc))
         if self.health is not None:
             await self.health.close()
-        await self.control.close()
-        ctx.term()
-        self.notify.close()
-        await self.spawner.shutdown()
-        self.state.remove()
-        self.service.status(f"stopped (exit {self.exit_code})")
-        self.service.close()
-        return self.exit_code
+        if self.control is not None:
+            await self.control.close()
+        self.zmq.term()
+
+    # -- re-exec (omnid.handover) ---------------------------------------------------
+    def start_reexec(self, check) -> None:  # noqa: ANN001 - omnid.handover.ProgramCheck
+        from omnid import handover
+
+        self.reexec = report_crash(asyncio.get_running_loop().create_task(handover.hand_over(self, check)),
+                                   "re-exec")
+
+    async def close_for_exec(self) -> None:
+        """The fronts that cannot be handed over as they are: the ZeroMQ sockets (bound again
+        by the next program) and aiohttp (the listening socket itself stays, through its dup)."""
+        if self._gpu_task is not None:
+            self._gpu_task.close()
+            self._gpu_task = None
+        if self._health_task is not None:
+            try:
+                await asyncio.wait_for(self._health_task, 10)
+            except Exception as exc:  # noqa: BLE001 - report, then go on
+                log.error("health API start failed", error=str(exc))
+            self._health_task = None
+        if self.health is not None:
+            left = await self.health.quiesce(1.0)
+            if left:
+                log.info("health connections still open at the re-exec (idle keep-alive)", count=left)
+            self.health = None  # not cleaned up: the program is replaced, its connections close
+        await self._close_front()
+        self.control = None
+
+    async def reopen_after_failed_exec(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.zmq = zmq.asyncio.Context()
+        self._open_control()
+        sock = socket.socket(fileno=os.dup(self.health_fd))
+        sock.setblocking(False)
+        self._health_task = report_crash(loop.create_task(self._start_health(sock)), "health API start")
+        if self.gpu is not None and self.gpu.available:
+            self._gpu_task = DaemonTask("GPU watch", lambda: loop.create_task(self._gpu_watch())).start()
 
     def _start_control_reader(self) -> asyncio.Task:
         assert self.control is not None
@@ -306,11 +404,34 @@ class Daemon:
 
 def run(units_dir: str | None, control: str | None, state_dir: str | None, health_listen: str | None,
         log_format: str | None, log_file: str | None = None,
-        cgroup_root: str | None = None) -> int:
-    """The `omnid daemon` command. Returns the process exit code."""
+        cgroup_root: str | None = None, takeover: int | None = None) -> int:
+    """The `omnid daemon` command. Returns the process exit code. `takeover`: the fd of the
+    handover a previous program of this daemon left (omnid reexec)."""
     # SIGHUP means reload once the loop runs; before that, it must not kill the daemon.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     udir = os.path.abspath(units_dir or default_units_dir())
+    if takeover is not None:
+        from omnid import handover
+
+        try:
+            rec = handover.read_memfd(takeover)
+            code = _run_taken_over(rec)
+            if code is not None:
+                return code
+            why = "the handed-over units could not be taken over (see the log)"
+        except (ValueError, KeyError, TypeError, StackInvalid) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        cfg = settings.resolve(units_dir=udir, control=control, state_dir=state_dir, health_listen=health_listen,
+                               log_format=log_format, cgroup_root=cgroup_root)
+        logconfig.configure(cfg.log_format, log_file=log_file)
+        survivors = handover.stop_what_is_provably_ours(cfg.state_dir, udir, why)
+        if survivors:
+            log.error("units of the previous program survived SIGKILL", processes=survivors)
+        handover.forget_inherited_fds()
+        handover.reap_old_children()
+        handover_error = why
+    else:
+        handover_error = None
     try:
         stack = load_stack(udir)
     except StackInvalid as exc:
@@ -322,31 +443,9 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
                            log_format=log_format, cgroup_root=cgroup_root, stack_settings=stack.settings)
     logconfig.configure(cfg.log_format, log_file=log_file)
     linux.mark_fds_non_inheritable()
-    try:
-        from setproctitle import setproctitle
-
-        setproctitle(f"omnid: daemon {cfg.units_dir}")
-    except ImportError:
-        pass
-    state_dir_path = Path(cfg.state_dir)
-    try:
-        if not os.path.lexists(state_dir_path):
-            state_dir_path.mkdir(parents=True, mode=0o700)
-            os.chmod(state_dir_path, 0o700)
-        # A state directory another user can write would let them list pids for us to kill.
-        check_private_dir(state_dir_path, "state directory")
-        lock_fd = os.open(state_dir_path / "daemon.lock",
-                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    except UnsafePath as exc:
-        print(f"omnid: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"omnid: cannot use state dir {cfg.state_dir}: {exc}", file=sys.stderr)
-        return 1
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        print(f"omnid: another daemon holds {cfg.state_dir}/daemon.lock", file=sys.stderr)
+    _set_title(cfg)
+    lock_fd = _lock_state_dir(cfg)
+    if lock_fd < 0:
         return 1
     try:
         prepare_socket_dir(cfg.control)
@@ -358,6 +457,7 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
         return 1
     # Taken out of the environment before the spawner is exec'd: units never see systemd's socket.
     daemon = Daemon(cfg, stack, ServiceNotifier())
+    daemon.lock_fd, daemon.log_file, daemon.handover_error = lock_fd, log_file, handover_error
     # The cgroup root (resolved like every setting, else systemd delegation): check memory_max /
     # tasks_max against it, and kill a previous daemon's unit cgroups.
     try:
@@ -386,3 +486,66 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
         return 1
     finally:
         os.close(lock_fd)
+
+
+def _run_taken_over(rec: dict) -> int | None:
+    """Go on from a handover: the same units, processes, fds and settings. None when it turned
+    out unusable before anything was taken over (the caller falls back)."""
+    from omnid import handover
+
+    cfg = handover.settings_of(rec)
+    stack = load_stack(rec["stack"]["directory"], handover.decode_sources(rec["stack"]["sources"]))
+    handover.validate(rec, stack)
+    log_file = rec["settings"]["log_file"]
+    logconfig.configure(cfg.log_format, log_file=log_file)
+    _set_title(cfg)
+    daemon = Daemon(cfg, stack, ServiceNotifier(dict(rec["systemd"])))
+    daemon.token = str(rec["token"])
+    daemon.reexecs = int(rec["reexecs"]) + 1
+    daemon.lock_fd, daemon.log_file = int(rec["lock_fd"]), log_file
+    os.set_inheritable(daemon.lock_fd, False)
+    if rec["cgroup"] is not None:
+        daemon.cgroups = cgroup_mod.CgroupRoot.take_over(rec["cgroup"])
+    raise_nofile_limit()
+    log.info("taking over from the previous program", from_version=rec["from_version"],
+             to_version=rec["to_version"], reexecs=daemon.reexecs)
+    try:
+        return asyncio.run(daemon.run(takeover=rec))
+    finally:
+        os.close(daemon.lock_fd)
+
+
+def _set_title(cfg: DaemonConfig) -> None:
+    try:
+        from setproctitle import setproctitle
+
+        setproctitle(f"omnid: daemon {cfg.units_dir}")
+    except ImportError:
+        pass
+
+
+def _lock_state_dir(cfg: DaemonConfig) -> int:
+    """The state directory, made private, and its lock held for the daemon's life; -1 (said
+    why) when another daemon holds it or the directory is not safe."""
+    state_dir_path = Path(cfg.state_dir)
+    try:
+        if not os.path.lexists(state_dir_path):
+            state_dir_path.mkdir(parents=True, mode=0o700)
+            os.chmod(state_dir_path, 0o700)
+        # A state directory another user can write would let them list pids for us to kill.
+        check_private_dir(state_dir_path, "state directory")
+        lock_fd = os.open(state_dir_path / "daemon.lock",
+                          os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except UnsafePath as exc:
+        print(f"omnid: {exc}", file=sys.stderr)
+        return -1
+    except OSError as exc:
+        print(f"omnid: cannot use state dir {cfg.state_dir}: {exc}", file=sys.stderr)
+        return -1
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"omnid: another daemon holds {cfg.state_dir}/daemon.lock", file=sys.stderr)
+        os.close(lock_fd)
+        return -1
+    return lock_fd

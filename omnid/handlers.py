@@ -84,7 +84,9 @@ class ControlHandlers:
                                                "notify": dict(d.notify.counters) if d.notify else {},
                                                "events": {"subscriptions": d.control.subscriptions
                                                           if d.control else 0},
-                                               **d.identity()}}
+                                               **d.identity(),
+                                               **({"handover_error": d.handover_error} if d.handover_error
+                                                  else {})}}
         if args.get("verify"):
             problems = sup.verify()
             if problems:
@@ -221,3 +223,23 @@ class ControlHandlers:
         out["units"] = units
         out["ok"] = all(u["state"] == "active" for u in units)
         return out
+
+    async def handle_reexec(self, args: dict) -> dict:
+        """Replace the daemon's program with the omnid installed now, same pid, every unit kept
+        (omnid(8), RE-EXEC). Answers once the new program is known to start; the handover
+        follows right after the answer."""
+        from omnid import handover
+        from omnid.version import version
+
+        d = self.d
+        if self.sup.shutting_down:
+            raise ControlError("shutting_down", "the stack is stopping; re-exec refused")
+        if d.reexec is not None and not d.reexec.done():
+            raise ControlError("busy", "a re-exec is already under way")
+        try:
+            check = await handover.check_new_program()
+        except handover.HandoverError as exc:
+            raise ControlError("reexec_refused", str(exc)) from None
+        d.start_reexec(check)
+        return {"pid": os.getpid(), "old_version": version(), "new_version": check.version,
+                "reexecs": d.reexecs, "program_since": d.program_since, "program": " ".join(check.argv)}

@@ -166,6 +166,7 @@ class HealthServer:
                  gpu_usage: Callable[[], dict[str, float]] | None = None,
                  notify_counters: Callable[[], dict[str, int]] | None = None) -> None:
         self.sup = sup
+        self.site: _CappedSockSite | None = None
         host, _, port = listen.rpartition(":")
         self.host = host.strip("[]") or "127.0.0.1"
         self.port = int(port)
@@ -193,13 +194,30 @@ class HealthServer:
             sock.bind((self.host, self.port))
             sock.listen(128)
             sock.setblocking(False)
-        site = _CappedSockSite(self.runner, sock, self.connections)
-        await site.start()
+        self.site = _CappedSockSite(self.runner, sock, self.connections)
+        await self.site.start()
         log.info("health API listening", url=f"http://{self.host}:{self.port}/health")
 
     async def close(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+
+    async def quiesce(self, timeout: float) -> int:
+        """Before the daemon re-executes: stop accepting (new connections wait in the listening
+        socket's backlog, which outlives this program through the dup the daemon keeps) and
+        serve the connections already accepted, until none is open or `timeout`. Returns how
+        many were still open (idle keep-alive ones: their clients reconnect)."""
+        server = getattr(self.site, "_server", None)
+        if server is not None:
+            server.close()  # closes only this program's listening socket object
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        # Connections accepted in the same turn as the close are set up by tasks that run in
+        # the next turns: let them run before counting what is open.
+        await asyncio.sleep(0.02)
+        while self.connections.active and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        return self.connections.active
 
     async def health(self, _req: web.Request) -> web.Response:
         degraded = self.degraded()

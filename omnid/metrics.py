@@ -40,6 +40,17 @@ class DaemonMetrics:
         self.death_detection = Histogram()
         self._deaths_seen: dict[str, int] = {}
 
+    def handover(self) -> dict:
+        return {"series": {u: [c, t] for u, (c, t) in self.death_detection.series.items()},
+                "deaths_seen": dict(self._deaths_seen)}
+
+    def take_over(self, d: dict) -> None:
+        n = len(self.death_detection.buckets) + 1
+        for unit, (counts, total) in d["series"].items():
+            if len(counts) == n:
+                self.death_detection.series[str(unit)] = ([int(c) for c in counts], [float(total[0])])
+        self._deaths_seen = {str(k): int(v) for k, v in d["deaths_seen"].items()}
+
     def on_event(self, ev: dict, sup) -> None:
         """Called for every published state change: a new death of a unit is observed once."""
         if ev.get("to") != "failed":

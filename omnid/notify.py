@@ -60,7 +60,7 @@ class NotifyServer:
     None: messages from anyone else are dropped and counted, never logged one by one."""
 
     def __init__(self, token: str, on_message: Callable[[int, dict[str, str]], object],
-                 attribute: Callable[[int], str | None] | None = None) -> None:
+                 attribute: Callable[[int], str | None] | None = None, fd: int | None = None) -> None:
         self.address = f"@omnid/{token}/notify"  # what units get in NOTIFY_SOCKET
         self._on_message = on_message
         self._attribute = attribute
@@ -69,9 +69,13 @@ class NotifyServer:
                          "dropped_no_credentials": 0}
         self._reported: dict[str, int] = {}
         self._last_summary = 0.0
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        self.sock.bind("\0" + self.address[1:])
+        if fd is not None:  # the socket a previous program of this daemon bound (omnid reexec)
+            os.set_inheritable(fd, False)
+            self.sock = socket.socket(fileno=fd)
+        else:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            self.sock.bind("\0" + self.address[1:])
         self.sock.setblocking(False)
 
     def start(self) -> None:

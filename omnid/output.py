@@ -194,6 +194,34 @@ class UnitOutput:
     def attached(self) -> bool:
         return any(p.fd >= 0 for p in self._pipes)
 
+    # -- across the daemon's re-exec (omnid.handover) ------------------------------
+    def handover(self) -> dict:
+        """What the next program of this daemon needs: the kept lines, the counters, and
+        the open pipes (fd number, stream, the line they were in the middle of)."""
+        return {"lines": [list(x) for x in self.lines], "lines_total": self.lines_total,
+                "lines_truncated": self.lines_truncated, "echo_dropped": self.echo_dropped,
+                "evicted_for_bytes": self.evicted_for_bytes, "read_pauses": self.read_pauses,
+                "pipes": [{"fd": p.fd, "stream": p.stream, "partial": p.partial.decode("latin-1")}
+                          for p in self._pipes if p.fd >= 0]}
+
+    def pipe_fds(self) -> list[int]:
+        return [p.fd for p in self._pipes if p.fd >= 0]
+
+    def take_over(self, d: dict) -> None:
+        """Continue where the previous program of this daemon left off (its fds inherited)."""
+        for ts, stream, line in d["lines"]:
+            self.lines.append((float(ts), str(stream), str(line)))
+            self.kept_bytes += len(str(line))
+        for key in ("lines_total", "lines_truncated", "echo_dropped", "evicted_for_bytes", "read_pauses"):
+            setattr(self, key, int(d[key]))
+        self._pipes = []
+        for pd in d["pipes"]:
+            fd = int(pd["fd"])
+            os.set_inheritable(fd, False)
+            pipe = _Pipe(self, fd, str(pd["stream"]))
+            pipe.partial = str(pd["partial"]).encode("latin-1")
+            self._pipes.append(pipe)
+
     def tail(self, n: int) -> list[dict]:
         items = list(self.lines)[-n:] if n > 0 else []
         return [{"ts": ts, "stream": stream, "line": line} for ts, stream, line in items]

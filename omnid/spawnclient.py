@@ -171,6 +171,22 @@ class SpawnerClient:
         except asyncio.TimeoutError as exc:
             raise SpawnerGone(f"spawner (pid {self.pid}) did not answer within {timeout:.0f} s") from exc
 
+    def adopt(self, pid: int, pidfd: int, sock_fd: int, start_time: int) -> None:
+        """Take over the spawner a previous program of this daemon started (omnid reexec):
+        same process, same socket; what it said meanwhile is waiting in the socket."""
+        self.pid, self.pidfd, self.start_time = pid, pidfd, start_time
+        for fd in (pidfd, sock_fd):
+            os.set_inheritable(fd, False)
+        self.sock = socket.socket(fileno=sock_fd)
+        self.sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.sock.fileno(), self._readable)
+        loop.add_reader(self.pidfd, self._spawner_died)
+
+    def handover(self) -> dict:
+        assert self.sock is not None
+        return {"pid": self.pid, "pidfd": self.pidfd, "sock": self.sock.fileno(), "start_time": self.start_time}
+
     def _spawner_died(self) -> None:
         if self._closed:
             return

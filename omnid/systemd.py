@@ -43,6 +43,16 @@ class ServiceNotifier:
             self._target = address
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
 
+    def handover(self) -> dict:
+        """The environment this notifier was made from, for the daemon's next program."""
+        env = {}
+        if self.address:
+            env["NOTIFY_SOCKET"] = self.address
+        if self.watchdog_usec:
+            env["WATCHDOG_USEC"] = str(self.watchdog_usec)
+            env["WATCHDOG_PID"] = str(os.getpid())
+        return env
+
     @property
     def enabled(self) -> bool:
         return self._sock is not None

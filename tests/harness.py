@@ -97,7 +97,7 @@ def remove_cgroup_tree(path: str | None, timeout: float = 10.0) -> None:
 
 class Daemon:
     def __init__(self, units_dir: Path | str, env: dict[str, str] | None = None, python: str | None = None,
-                 cgroup_root: str | None = None) -> None:
+                 cgroup_root: str | None = None, cwd: Path | str | None = None) -> None:
         self.units_dir = Path(units_dir)
         self.workdir = temp_dir("omd-")
         self.control = str(self.workdir / "c.sock")
@@ -106,6 +106,7 @@ class Daemon:
         self.log_path = self.workdir / "daemon.log"
         self.env = dict(os.environ, **(env or {}))
         self.python = python or sys.executable
+        self.cwd = str(cwd or REPO)  # `python -m omnid` runs the omnid found here first
         self.proc: subprocess.Popen | None = None
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
@@ -129,7 +130,7 @@ class Daemon:
     def start(self, wait: bool = True) -> "Daemon":
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
-                                     env=self.env, cwd=str(REPO))
+                                     env=self.env, cwd=self.cwd)
         if wait:
             wait_for(lambda: self.proc.poll() is not None or os.path.exists(self.control), 20,
                      "the daemon's control socket")

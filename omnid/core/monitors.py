@@ -72,6 +72,15 @@ class Monitors:
         if rt.spec.liveness is not None:
             self.sup.executor._task(rt, "liveness", self._liveness(rt))
 
+    def resume(self, rt: UnitRuntime) -> None:
+        """An active unit taken over across the daemon's re-exec: the watchdog keeps counting
+        from the last ping it had, the liveness probe starts again."""
+        if rt.spec.watchdog_sec > 0 and rt.spec.ready.kind is ReadyKind.NOTIFY:
+            left = max(0.0, rt.watchdog_last + rt.spec.watchdog_sec - time.monotonic())
+            self._watchdogs[rt.name] = asyncio.get_running_loop().call_later(left, self._expired, rt)
+        if rt.spec.liveness is not None:
+            self.sup.executor._task(rt, "liveness", self._liveness(rt))
+
     def stop(self, rt: UnitRuntime) -> None:
         t = self._watchdogs.pop(rt.name, None)
         if t is not None:

@@ -25,7 +25,8 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from omnid import linux, logconfig, output, settings
+from omnid import forensics, linux, logconfig, output, settings
+from omnid.capturestore import CaptureStore
 from omnid.control import ControlError, ControlServer, prepare_socket_dir
 from omnid.metrics import DaemonMetrics
 from omnid.notify import NotifyServer
@@ -96,6 +97,7 @@ class Daemon:
         self._control_reader: DaemonTask | None = None
         self._health_task: asyncio.Task | None = None
         self._senders: dict[int, tuple[str | None, float]] = {}  # notify sender pid -> (unit, valid until)
+        self.captures = CaptureStore(cfg.state_dir)  # hang forensics (omnid dump)
 
     # -- callbacks --------------------------------------------------------------
     def _publish(self, ev: dict) -> None:
@@ -173,6 +175,7 @@ class Daemon:
         wanted = set(self.sup.expand(names, whole_groups=False)) if names else None
         units = [s for s in self.sup.snapshot() if wanted is None or s["name"] in wanted]
         output.add_counters(units, self.sup.units)  # operators (#12): what a flooding unit cost
+        forensics.add_last_capture(units, self.captures)
         out: dict = {"units": units, "daemon": {"pid": os.getpid(), "spawner_pid": self.spawner.pid,
                                                "units_dir": self.cfg.units_dir, "since": self.sup.started_at,
                                                "shutting_down": self.sup.shutting_down,
@@ -267,6 +270,10 @@ class Daemon:
         except TimeoutError:
             raise ControlError("timeout", f"checking {directory} took more than {CHECK_TIMEOUT_S:g} s") from None
         return {"ok": not errors, "units_dir": directory, "errors": [str(e) for e in errors]}
+
+    async def handle_dump(self, args: dict) -> dict:
+        assert self.sup is not None
+        return await forensics.handle_dump(self.sup, self.captures, args)
 
     async def handle_wait(self, args: dict) -> dict:
         """Wait (up to "timeout") for the daemon's first start of the stack to settle, without

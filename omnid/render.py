@@ -129,6 +129,9 @@ def print_unit_detail(u: dict, lines: list[dict], *, colour: bool | None = None)
               f"{lg['truncated']} cut at 16 KiB, {lg['read_pauses']} read pauses")
     if u.get("status_text"):
         print(f"    Status: \"{u['status_text']}\"")
+    if u.get("last_capture"):
+        c = u["last_capture"]
+        print(f"   Capture: {_ago(c['ts'])} ({c['why']}): {c['summary']}; `omnid dump {u['name']}` shows it")
     if lines:
         print()
         for item in lines:
@@ -177,3 +180,11 @@ def format_event(ev: dict) -> str:
     pid = f" pid {ev['pid']}" if ev.get("pid") else ""
     reason = f" — {ev['reason']}" if ev.get("reason") else ""
     return f"{ts} {ev.get('unit')}{pid}: {ev.get('from')} -> {ev.get('to')}{reason}"
+
+
+def print_captures(captures: list[dict]) -> None:
+    """`omnid dump`: each capture's text, oldest first, a rule between two."""
+    for i, c in enumerate(captures):
+        if i:
+            print("-" * 72)
+        print(c["text"], end="")

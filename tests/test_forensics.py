@@ -263,3 +263,72 @@ def test_capture_store_escapes_unit_names_into_one_directory_level(tmp_path):
     store.save(_cap(unit="a.b"))
     assert (tmp_path / "dumps" / "a%2Eb").is_dir()
     assert store.latest("a.b")[0].unit == "a.b" and store.latest("nothing") == []
+
+
+# --------------------------------------------------------------------------- the daemon
+
+
+def _omnid(d, *args: str) -> "subprocess.CompletedProcess[str]":
+    import subprocess
+
+    from tests.harness import REPO, repo_pythonpath
+
+    return subprocess.run([sys.executable, "-m", "omnid", "--control", d.control, *args], capture_output=True,
+                          text=True, timeout=60, cwd=str(REPO), env=dict(os.environ, PYTHONPATH=repo_pythonpath()))
+
+
+SPIN_UNIT = f'exec = ["{sys.executable}", "-c", """{hung.SPIN.format(idle=3)}"""]\ncapture_timeout = 2\n'
+
+
+@needs_py_spy
+def test_dump_now_captures_a_running_unit_and_status_shows_its_summary(daemon_factory):
+    from tests.harness import make_stack
+
+    d = daemon_factory(make_stack({"engine": SPIN_UNIT, "idle": 'exec = ["sleep", "1000"]\n'}))
+    pid = d.wait_state("engine", "active")["pid"]
+    r = _omnid(d, "dump", "engine")
+    assert r.returncode == 0 and "no capture of engine kept" in r.stderr, r
+    r = _omnid(d, "dump", "engine", "--now")
+    assert r.returncode == 0, r.stderr
+    assert f"pid {pid} " in r.stdout and "engine_step (<string>:" in r.stdout and "on demand" in r.stdout, r.stdout
+    assert "python threads (4):" in r.stdout
+    u = d.unit("engine")
+    assert u["last_capture"]["why"] == "on demand (omnid dump --now)" and "engine_step" in u["last_capture"]["summary"]
+    st = _omnid(d, "status", "engine")
+    assert "Capture: " in st.stdout and "engine_step" in st.stdout and "omnid dump engine" in st.stdout, st.stdout
+    again = _omnid(d, "dump", "engine", "--last", "5", "--json")
+    caps = json.loads(again.stdout)
+    assert len(caps) == 1 and caps[0]["processes"][0]["pid"] == pid
+    # Kept 0600 under the state directory.
+    files = list((d.state_dir / "dumps" / "engine").iterdir())
+    assert len(files) == 1 and stat.S_IMODE(files[0].stat().st_mode) == 0o600
+    assert "last_capture" not in d.unit("idle")
+
+
+def test_dump_requests_with_bad_arguments_get_clear_errors(daemon_factory):
+    from tests.harness import make_stack
+
+    d = daemon_factory(make_stack({"idle": 'exec = ["sleep", "1000"]\n', "once": 'exec = ["true"]\n'}))
+    d.wait_state("idle", "active")
+    for args, code, words in [({}, "bad_request", "unit"), ({"unit": "nope"}, "unknown_unit", "nope"),
+                              ({"unit": "idle", "last": 0}, "bad_request", "last"),
+                              ({"unit": "idle", "last": True}, "bad_request", "last"),
+                              ({"unit": "idle", "now": "yes"}, "bad_request", "now")]:
+        reply = d.call("dump", args)
+        assert not reply["ok"] and reply["error"]["code"] == code and words in reply["error"]["message"], reply
+    wait_for(lambda: d.unit("once")["state"] in ("inactive", "failed"), 10, "once to exit")
+    reply = d.call("dump", {"unit": "once", "now": True})
+    assert reply["error"]["code"] == "not_running", reply
+    assert _omnid(d, "dump", "idle", "--last", "0").returncode == 2
+
+
+def test_capture_timeout_is_read_and_bounded():
+    from omnid.units import check_stack, load_stack
+    from tests.harness import make_stack
+
+    stack = make_stack({"a": 'exec = ["true"]\n', "b": 'exec = ["true"]\ncapture_timeout = 0\n'})
+    assert load_stack(stack)["a"].capture_timeout == 3.0 and load_stack(stack)["b"].capture_timeout == 0.0
+    bad = make_stack({"a": 'exec = ["true"]\ncapture_timeout = 301\n', "b": 'exec = ["true"]\ncapture_timeout = "3"\n'})
+    errors = sorted(str(e) for e in check_stack(bad))
+    assert "a.toml: capture_timeout: expected a number of seconds from 0 to 300, got 301" in errors[0]
+    assert "b.toml: capture_timeout: expected a number of seconds >= 0, got string \"3\"" in errors[1]

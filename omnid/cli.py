@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from omnid.client import EXIT_FAILED, EXIT_NO_DAEMON, EXIT_OK, EXIT_USAGE, CliError, Client, subscribe
-from omnid.render import (format_event, format_log_line, log_line_json, print_captures, print_summary,
-                          print_unit_detail, print_units)
+from omnid.render import (format_event, format_log_line, log_line_json, print_captures, print_gpu,
+                          print_summary, print_unit_detail, print_units)
 
 DAEMON_LOG_MAX = 8 << 20  # bytes; daemon.log is rotated to daemon.log.1 beyond this
 
@@ -318,6 +318,8 @@ def cmd_status(a: argparse.Namespace) -> int:
             print_unit_detail(u, lines)
     else:
         print_units(result["units"])
+    if not a.json:
+        print_gpu(result.get("daemon", {}).get("gpu"))
     if a.verify:
         v = result["verify"]
         if not v["ok"]:

@@ -180,7 +180,8 @@ class Daemon:
                                                "units_dir": self.cfg.units_dir, "since": self.sup.started_at,
                                                "shutting_down": self.sup.shutting_down,
                                                **cgroup_mod.backend(self.cgroups),  # cgroup hook
-                                               "notify": dict(self.notify.counters) if self.notify else {}}}
+                                               "notify": dict(self.notify.counters) if self.notify else {},
+                                               "gpu": self._gpu_status()}}
         if args.get("verify"):
             problems = self.sup.verify()
             if problems:
@@ -190,6 +191,11 @@ class Daemon:
             out["verify"] = {"ok": not problems, "problems": problems,
                              "invariant_violations": list(self.sup.invariant_violations)}
         return out
+
+    def _gpu_status(self) -> dict:
+        from omnid import gpu as gpu_mod  # loaded by run() already
+
+        return gpu_mod.status(self.gpu, self.sup)
 
     async def handle_start(self, args: dict) -> dict:
         assert self.sup is not None
@@ -271,7 +277,7 @@ class Daemon:
             raise ControlError("timeout", f"checking {directory} took more than {CHECK_TIMEOUT_S:g} s") from None
         return {"ok": not errors, "units_dir": directory, "errors": [str(e) for e in errors]}
 
-    async def handle_dump(self, args: dict) -> dict:
+    async def handle_dump(self, args: dict) -> dict:  # hang forensics (omnid.forensics)
         assert self.sup is not None
         return await forensics.handle_dump(self.sup, self.captures, args)
 

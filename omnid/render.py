@@ -188,3 +188,26 @@ def print_captures(captures: list[dict]) -> None:
         if i:
             print("-" * 72)
         print(c["text"], end="")
+
+
+def print_gpu(gpu: dict | None) -> None:
+    """Below `omnid status`: the GPU backend when it cannot be read, and each GPU condition
+    (an Xid, memory health, a stuck read) with the units it reaches."""
+    if not gpu or gpu.get("backend") in (None, "none"):
+        return
+    lines = []
+    if not gpu.get("readable"):
+        stuck = gpu.get("stuck_threads") or 0
+        lines.append(f"GPU: {gpu['backend']} {gpu.get('reason') or 'unreadable'}"
+                     + (f" ({stuck} reader thread{'s' if stuck != 1 else ''} stuck)" if stuck else ""))
+    health = gpu.get("health") or {}
+    for c in gpu.get("conditions") or []:
+        if c["source"] == "unreadable" and not gpu.get("readable"):
+            continue  # said above
+        units = health.get(c["gpu"], {}).get("units") or []
+        reach = f" [units: {', '.join(units)}]" if units else ""
+        lines.append(f"GPU: {c['gpu']} {c['status']}: {c['reason']}{reach}")
+    if lines:
+        print()
+        for line in lines:
+            print(line)

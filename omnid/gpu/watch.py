@@ -154,8 +154,7 @@ async def watch(backend: GpuBackend, sup: Any, interval: float | None = None) ->
             for unit in sup.degraded.keys() - degraded.keys():
                 log.info("unit no longer degraded", unit=unit)
             sup.degraded = degraded
-            if got is not None:
-                sup.gpu_mib = usage
+            sup.gpu_mib = usage  # empty while unreadable: no stale figures in status or /metrics
             deadline = loop.time() + interval
             while (left := deadline - loop.time()) > 0:
                 try:

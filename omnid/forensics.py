@@ -446,6 +446,8 @@ async def capture(unit: str, members: list[Member], *, why: str, budget_s: float
     spies = asyncio.Semaphore(SPY_PARALLEL)
     spy_cap = max(4 * max_bytes, 1 << 20)
     tasks = [loop.create_task(_capture_one(p, spy, spies, work_deadline, reap_by, spy_cap)) for p in parts]
+    for t, p in zip(tasks, parts):
+        t.add_done_callback(lambda t, pid=p.member.pid: _report(unit, pid, t))
     if tasks:
         _done, pending = await asyncio.wait(tasks, timeout=max(work_deadline - loop.time(), 0.0))
         for t in pending:
@@ -453,9 +455,6 @@ async def capture(unit: str, members: list[Member], *, why: str, budget_s: float
         if pending:
             await asyncio.wait(pending, timeout=max(reap_by - loop.time(), 0.0))
         helperproc.reap_pending()
-        for t in tasks:
-            if t.done() and not t.cancelled() and t.exception() is not None:
-                log.error("capture of one process failed", unit=unit, error=repr(t.exception()))
     dumps = [d for d in map(_finish, parts) if d is not None]
     missing = [f"pid {d.pid}: {n}" for d in dumps for n in d.notes]
     if skipped:
@@ -466,6 +465,12 @@ async def capture(unit: str, members: list[Member], *, why: str, budget_s: float
     cap = _assemble(unit, why, wall, dumps, missing)
     cap = _fit(cap, max_bytes)
     return replace(cap, seconds=round(loop.time() - t0, 4))
+
+
+def _report(unit: str, pid: int, task: asyncio.Task[None]) -> None:
+    """No capture task whose exception nobody sees (a bug here, not a process we cannot read)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("capture of one process failed", unit=unit, pid=pid, error=repr(task.exception()))
 
 
 def _assemble(unit: str, why: str, wall: float, dumps: list[ProcessDump], missing: list[str]) -> Capture:

@@ -7,9 +7,9 @@ import asyncio
 import json
 import os
 import stat
+import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -268,9 +268,7 @@ def test_capture_store_escapes_unit_names_into_one_directory_level(tmp_path):
 # --------------------------------------------------------------------------- the daemon
 
 
-def _omnid(d, *args: str) -> "subprocess.CompletedProcess[str]":
-    import subprocess
-
+def _omnid(d, *args: str) -> subprocess.CompletedProcess[str]:
     from tests.harness import REPO, repo_pythonpath
 
     return subprocess.run([sys.executable, "-m", "omnid", "--control", d.control, *args], capture_output=True,

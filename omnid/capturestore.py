@@ -19,7 +19,7 @@ from typing import Any
 
 import structlog
 
-from omnid.forensics import Capture
+from omnid.hangrecord import Capture
 from omnid.ownership import UnsafePath, owner_name
 
 log = structlog.get_logger("omnid.capturestore")

@@ -9,7 +9,8 @@ line, and for Python processes the Python stack of every thread. The capture is 
 in time (`capture_timeout`, never longer) and in size (cut, and it says so); whatever
 could not be captured is recorded as text, never raised. A process in D state (stuck in
 a driver, e.g. nvidia_uvm) is named as such first in the one-line summary that goes into
-the unit's failure reason. Captures are kept by omnid.capturestore and shown by
+the unit's failure reason. The record itself (text, JSON, summary, size cut) is
+omnid.hangrecord; captures are kept by omnid.capturestore and shown by
 `omnid status UNIT` and `omnid dump UNIT [--last N] [--now]`.
 
 Why py-spy (PyPI `py-spy`) for the Python stacks: it reads the target's memory from

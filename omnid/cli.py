@@ -20,9 +20,8 @@ import time
 from pathlib import Path
 
 from omnid.client import EXIT_FAILED, EXIT_NO_DAEMON, EXIT_OK, EXIT_USAGE, CliError, Client, subscribe
-from omnid.render import (format_event, format_log_line, log_line_json, print_reload_plan, print_summary,
-                          print_unit_detail,
-                          print_units)
+from omnid.render import (format_event, format_log_line, log_line_json, print_captures, print_gpu,
+                          print_reload_plan, print_summary, print_unit_detail, print_units)
 
 DAEMON_LOG_MAX = 8 << 20  # bytes; daemon.log is rotated to daemon.log.1 beyond this
 
@@ -366,6 +365,8 @@ def cmd_status(a: argparse.Namespace) -> int:
             print_unit_detail(u, lines)
     else:
         print_units(result["units"])
+    if not a.json:
+        print_gpu(result.get("daemon", {}).get("gpu"))
     if a.verify:
         v = result["verify"]
         if not v["ok"]:
@@ -374,6 +375,24 @@ def cmd_status(a: argparse.Namespace) -> int:
             return EXIT_FAILED
         if not a.json:
             print("verify: every unit's state matches /proc")
+    return EXIT_OK
+
+
+def cmd_dump(a: argparse.Namespace) -> int:
+    from omnid.forensics import MAX_BUDGET_S
+
+    client = Client(control_of(a))
+    timeout = MAX_BUDGET_S + 30 if a.now else 30
+    result = client.call("dump", {"unit": a.unit, "last": a.last, "now": a.now}, timeout=timeout)
+    caps = result["captures"]
+    if a.json:
+        print(json.dumps([c["capture"] for c in caps], indent=2))
+    else:
+        print_captures(caps)
+    if not caps:
+        print(f"omnid: no capture of {a.unit} kept: omnid captures a unit when it kills it alive "
+              f"(watchdog, liveness, ready_timeout, stop_timeout); `omnid dump {a.unit} --now` captures it now",
+              file=sys.stderr)
     return EXIT_OK
 
 
@@ -552,6 +571,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="name (SIGTERM, TERM) or number (15); default SIGTERM")
     k.set_defaults(func=cmd_kill)
 
+    dp = sub.add_parser("dump", help="what a unit's processes were doing when omnid last killed it alive "
+                                     "(state, wchan, kernel and Python stacks)")
+    dp.add_argument("unit", metavar="UNIT", help="the unit (a template name covers every instance)")
+    dp.add_argument("--last", type=_positive_int, default=1, metavar="N", help="the last N captures (default 1)")
+    dp.add_argument("--now", action="store_true", help="capture the running unit now (and keep it)")
+    dp.add_argument("--json", action="store_true", help="the captures as JSON")
+    dp.set_defaults(func=cmd_dump)
+
     e = sub.add_parser("events", help="print every unit's current state, then follow state changes")
     e.add_argument("--json", action="store_true", help="one JSON object a line")
     e.set_defaults(func=cmd_events)
@@ -585,6 +612,13 @@ def _positive(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if v <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    v = _non_negative_int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a number from 1 up, got {text!r}")
     return v
 
 

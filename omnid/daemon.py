@@ -27,6 +27,7 @@ import zmq.asyncio
 
 from omnid import cgroup as cgroup_mod
 from omnid import linux, logconfig, settings, startup
+from omnid.capturestore import CaptureStore
 from omnid.control import ControlError, ControlServer, prepare_socket_dir
 from omnid.core.supervisor import Supervisor
 from omnid.handlers import ControlHandlers
@@ -102,6 +103,7 @@ class Daemon:
         self.log_file: str | None = None
         self.reexec: asyncio.Task | None = None  # a re-exec being prepared
         self.handover_error: str | None = None  # why the last re-exec's handover could not be used
+        self.captures = CaptureStore(cfg.state_dir)  # hang forensics (omnid dump)
 
     # -- callbacks --------------------------------------------------------------
     def _publish(self, ev: dict) -> None:
@@ -185,6 +187,7 @@ class Daemon:
                               on_pids_changed=self._schedule_state_write,
                               check_invariants=os.environ.get("OMNID_CHECK_INVARIANTS") == "1",
                               gpu=self.gpu, cgroups=self.cgroups)
+        self.sup.executor.captures = self.captures
         if takeover is not None:
             self.sup.take_over(takeover["supervisor"])
             self.metrics.take_over(takeover["metrics"])

@@ -11,7 +11,8 @@ import signal
 from typing import Any
 
 from omnid import cgroup as cgroup_mod
-from omnid import linux, output
+from omnid import forensics, linux, output
+from omnid import gpu as gpu_mod
 from omnid.control import ControlError
 from omnid.core.supervisor import UnitNotFound
 from omnid.termination import StopRecord
@@ -77,11 +78,13 @@ class ControlHandlers:
         wanted = set(sup.expand(names, whole_groups=False)) if names else None
         units = [s for s in sup.snapshot() if wanted is None or s["name"] in wanted]
         output.add_counters(units, sup.units)  # what a flooding unit cost
+        forensics.add_last_capture(units, d.captures)
         out: dict = {"units": units, "daemon": {"pid": os.getpid(), "spawner_pid": d.spawner.pid,
                                                "units_dir": d.cfg.units_dir, "since": sup.started_at,
                                                "shutting_down": sup.shutting_down,
                                                **cgroup_mod.backend(d.cgroups),
                                                "notify": dict(d.notify.counters) if d.notify else {},
+                                               "gpu": gpu_mod.status(d.gpu, sup),
                                                "events": {"subscriptions": d.control.subscriptions
                                                           if d.control else 0},
                                                **d.identity(),
@@ -167,6 +170,10 @@ class ControlHandlers:
         except TimeoutError:
             raise ControlError("timeout", f"checking {directory} took more than {CHECK_TIMEOUT_S:g} s") from None
         return {"ok": not errors, "units_dir": directory, "errors": [str(e) for e in errors]}
+
+    async def handle_dump(self, args: dict) -> dict:
+        """Hang forensics (omnid.forensics): the kept captures of a unit, or one taken now."""
+        return await forensics.handle_dump(self.sup, self.d.captures, args)
 
     async def handle_wait(self, args: dict) -> dict:
         """Wait (up to "timeout") for the daemon's first start of the stack to settle, without

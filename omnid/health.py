@@ -24,13 +24,29 @@ log = structlog.get_logger("omnid.health")
 S = UnitState
 
 
-def overall(sup: Supervisor, degraded: dict[str, str]) -> str:
+def gpu_view(sup: Supervisor) -> dict[str, dict]:
+    """GPU conditions that reach a unit of the stack ({label: {"status", "reason", "units"}}),
+    from what the GPU backend already knows (no NVML call: a hung driver cannot stall /health)."""
+    backend = getattr(sup, "gpu", None)
+    if backend is None or not hasattr(backend, "conditions"):
+        return {}
+    from omnid.gpu import health_view
+
+    return health_view(backend, [(u.name, u.spec.gpus) for u in sup.units.values()])
+
+
+def overall(sup: Supervisor, degraded: dict[str, str], gpus: dict[str, dict] | None = None) -> str:
+    """`gpus`: gpu_view(sup); a GPU that has fallen off the bus is "failed", another
+    condition of a unit's GPU "degraded"."""
+    from omnid.gpu import worst
+
     if sup.shutting_down:
         return "stopping"
     units = sup.units.values()
-    if any(u.state is S.FAILED or u.dead for u in units):
+    gpu = worst(gpus or {})
+    if any(u.state is S.FAILED or u.dead for u in units) or gpu == "failed":
         return "failed"  # (u.dead: the main process died; the failure op is about to record it)
-    if any(u.state is S.STOPPING or u.goal.value == "inactive" for u in units) or degraded:
+    if any(u.state is S.STOPPING or u.goal.value == "inactive" for u in units) or degraded or gpu == "degraded":
         return "degraded"
     if all(u.state is S.ACTIVE and u.ready for u in units):
         return "ok"
@@ -221,13 +237,16 @@ class HealthServer:
 
     async def health(self, _req: web.Request) -> web.Response:
         degraded = self.degraded()
-        status = overall(self.sup, degraded)
+        gpus = gpu_view(self.sup)
+        status = overall(self.sup, degraded, gpus)
         body = {
             "status": status,
             "units": {u.name: {"state": u.state.value, "reason": unit_reason(u, degraded)}
                       for u in self.sup.units.values()},
             **cgroup_backend(self.sup.cgroups),  # cgroup hook
         }
+        if gpus:
+            body["gpus"] = gpus  # each GPU with a condition, its status, reason and units
         return web.json_response(body, status=200 if status == "ok" else 503)
 
     async def live(self, _req: web.Request) -> web.Response:
@@ -311,6 +330,14 @@ class HealthServer:
             metric("omnid_unit_gpu_memory_bytes", "gauge", "GPU memory held by the unit's processes (NVML)")
             for name, mib in gpu.items():
                 lines.append(f"omnid_unit_gpu_memory_bytes{lbl(unit=name)} {int(mib * 1048576)}")
+        backend = getattr(self.sup, "gpu", None)
+        if backend is not None and hasattr(backend, "conditions"):
+            metric("omnid_gpu_stuck_threads", "gauge", "threads blocked in an NVML call past its deadline")
+            lines.append(f"omnid_gpu_stuck_threads {backend.stuck_threads}")
+            metric("omnid_gpu_condition", "gauge", "a condition of a GPU: Xid, memory health, unreadable")
+            for c in backend.conditions():
+                j = c.to_json()
+                lines.append(f"omnid_gpu_condition{lbl(gpu=j['gpu'], status=c.status, source=c.source, xid=c.xid or '')} 1")
         me = psutil.Process()
         metric("omnid_daemon_rss_bytes", "gauge", "resident memory of the daemon")
         lines.append(f"omnid_daemon_rss_bytes {me.memory_info().rss}")

@@ -129,6 +129,9 @@ def print_unit_detail(u: dict, lines: list[dict], *, colour: bool | None = None)
               f"{lg['truncated']} cut at 16 KiB, {lg['read_pauses']} read pauses")
     if u.get("status_text"):
         print(f"    Status: \"{u['status_text']}\"")
+    if u.get("last_capture"):
+        c = u["last_capture"]
+        print(f"   Capture: {_ago(c['ts'])} ({c['why']}): {c['summary']}; `omnid dump {u['name']}` shows it")
     if lines:
         print()
         for item in lines:
@@ -197,3 +200,34 @@ def print_reload_plan(plan: dict) -> None:
         print(f"{'unchanged':<10} {len(plan.get('unchanged', []))} units")
     for st in plan.get("settings", []):
         print(f"setting    {st['key']}: {st['from']} -> {st['to']}: {st['applies']}")
+
+
+def print_captures(captures: list[dict]) -> None:
+    """`omnid dump`: each capture's text, oldest first, a rule between two."""
+    for i, c in enumerate(captures):
+        if i:
+            print("-" * 72)
+        print(c["text"], end="")
+
+
+def print_gpu(gpu: dict | None) -> None:
+    """Below `omnid status`: the GPU backend when it cannot be read, and each GPU condition
+    (an Xid, memory health, a stuck read) with the units it reaches."""
+    if not gpu or gpu.get("backend") in (None, "none"):
+        return
+    lines = []
+    if not gpu.get("readable"):
+        stuck = gpu.get("stuck_threads") or 0
+        lines.append(f"GPU: {gpu['backend']} {gpu.get('reason') or 'unreadable'}"
+                     + (f" ({stuck} reader thread{'s' if stuck != 1 else ''} stuck)" if stuck else ""))
+    health = gpu.get("health") or {}
+    for c in gpu.get("conditions") or []:
+        if c["source"] == "unreadable" and not gpu.get("readable"):
+            continue  # said above
+        units = health.get(c["gpu"], {}).get("units") or []
+        reach = f" [units: {', '.join(units)}]" if units else ""
+        lines.append(f"GPU: {c['gpu']} {c['status']}: {c['reason']}{reach}")
+    if lines:
+        print()
+        for line in lines:
+            print(line)

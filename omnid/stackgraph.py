@@ -96,6 +96,7 @@ def _expand_unit(
         stop_signal=v["stop_signal"],
         stop_timeout=v["stop_timeout"],
         kill_timeout=v["kill_timeout"],
+        capture_timeout=v["capture_timeout"],
         restart=v["restart"],
         restart_sec=v["restart_sec"],
         restart_max_sec=v["restart_max_sec"],

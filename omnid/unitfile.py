@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from omnid.unitmodel import DEFAULT_TITLE, DaemonSettings, Liveness, LogFormat, Ready, ReadyKind, RestartPolicy, TorchDistributed, UnitFileError
-from omnid.unitvalues import MAX_INSTANCES, _Invalid, _Table, _argv, _cgroup_amount, _choice, _describe, _env, _gpus, _group_name, _integer, _limits, _nonempty_string, _seconds, _string, _string_list, parse_host_port, parse_signal
+from omnid.unitvalues import MAX_INSTANCES, _Invalid, _Table, _argv, _cgroup_amount, _choice, _describe, _env, _gpus, _group_name, _integer, _limits, _nonempty_string, _seconds, _seconds_at_most, _string, _string_list, parse_host_port, parse_signal
 
 
 # --------------------------------------------------------------------------- unit files
@@ -23,7 +23,7 @@ UNIT_KEYS = (
     "user", "group", "limits", "gpus", "ready", "ready_timeout", "liveness", "watchdog_sec",
     "stop_signal", "stop_timeout", "kill_timeout", "restart", "restart_sec", "restart_max_sec",
     "start_limit_burst", "start_limit_interval", "gpu_min_free_mib", "worker_group", "torch_distributed",
-    "memory_max", "tasks_max",
+    "memory_max", "tasks_max", "capture_timeout",
 )  # fmt: skip
 TORCH_DISTRIBUTED_KEYS = ("master_addr", "master_port")
 # The restart policy of a worker group is one policy: every member must declare the same.
@@ -113,6 +113,7 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
         "stop_signal": t.get("stop_signal", signal.SIGTERM, parse_signal),
         "stop_timeout": t.get("stop_timeout", 10.0, _seconds(zero_ok=False)),
         "kill_timeout": t.get("kill_timeout", 10.0, _seconds(zero_ok=False)),
+        "capture_timeout": t.get("capture_timeout", 3.0, _seconds_at_most(300.0)),
         "restart": t.get("restart", RestartPolicy.NO, _choice(RestartPolicy)),
         "restart_sec": t.get("restart_sec", 1.0, _seconds(zero_ok=False)),
         "restart_max_sec": t.get("restart_max_sec", 60.0, _seconds(zero_ok=False)),

@@ -161,6 +161,9 @@ class Unit:
     worker_group: str | None = None  # members fail, stop and restart together
     torch_distributed: TorchDistributed | None = None
     kill_timeout: float = 10.0
+    # Seconds the hang capture (omnid.forensics) may take before a unit that is alive but
+    # failed is killed; 0 = no capture.
+    capture_timeout: float = 3.0
     restart: RestartPolicy = RestartPolicy.NO
     restart_sec: float = 1.0
     restart_max_sec: float = 60.0

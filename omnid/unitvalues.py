@@ -166,6 +166,18 @@ def _seconds(*, zero_ok: bool) -> Callable[[Any], float]:
     return convert
 
 
+def _seconds_at_most(maximum: float) -> Callable[[Any], float]:
+    """Seconds >= 0 and <= `maximum` (a bound tighter than a day)."""
+    def convert(value: Any) -> float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise _Invalid(f"expected a number of seconds >= 0, got {_describe(value)}")
+        if not math.isfinite(value) or not 0 <= value <= maximum:
+            raise _Invalid(f"expected a number of seconds from 0 to {maximum:g}, got {value}")
+        return float(value)
+
+    return convert
+
+
 def _choice(enum: type[StrEnum]) -> Callable[[Any], Any]:
     def convert(value: Any) -> Any:
         try:

@@ -353,6 +353,90 @@ def test_fake_nvml_no_devices_is_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None
     assert not backend.available and backend.reason == "no GPU: NVML found no devices"
 
 
+# ---------------------------------------------------------------------------- MIG and UUIDs (fake GPU)
+
+MIG_A = "MIG-aaaaaaaa-0000-0000-0000-000000000001"
+MIG_B = "MIG-bbbbbbbb-0000-0000-0000-000000000002"
+GPU1 = "GPU-11111111-2222-3333-4444-555555555555"
+
+
+def mig_gpu() -> FakeGpuBackend:
+    """GPU 0 whole; GPU 1 in MIG mode with two MIG devices, one process on each."""
+    fake = FakeGpuBackend()
+    fake.set_gpu(0, total_mib=81920)
+    fake.set_gpu(1, total_mib=81920, uuid=GPU1)
+    fake.add_mig(1, MIG_A, total_mib=40000, gi=1, ci=0)
+    fake.add_mig(1, MIG_B, total_mib=40000, gi=2, ci=0)
+    fake.set_process(2001, 10000, mig=MIG_A)
+    fake.set_process(2002, 5000, mig=MIG_B)
+    fake.set_process(2000, 1000, gpu=0)
+    return fake
+
+
+def test_fake_gpu_uuids_and_mig_uuids_name_their_devices() -> None:
+    fake = mig_gpu()
+    gpus = fake.gpus()
+    assert gpu.find_device(gpus, GPU1).index == 1
+    a = gpu.find_device(gpus, MIG_A)
+    assert (a.gpu, a.total_mib, a.used_mib, a.free_mib, a.gpu_instance) == (1, 40000, 10000, 30000, 1)
+    assert gpu.find_device(gpus, "MIG-nope") is None and gpu.find_device(gpus, 0).index == 0
+    assert gpus[1].used_mib == 15000  # a GPU's use is its MIG devices' together
+    assert (fake.parent_of(MIG_B), fake.parent_of(GPU1), fake.parent_of(0), fake.parent_of("GPU-nope")) == (1, 1, 0, None)
+    assert [(p.pid, p.gpu, p.mig, p.uuid) for p in fake.processes() if p.pid == 2001] == [(2001, 1, MIG_A, GPU1)]
+
+
+def test_fake_gpu_mig_holders_of_a_mig_uuid_are_only_that_devices_processes() -> None:
+    fake = mig_gpu()
+    assert [p.pid for p in holders_of(fake, [MIG_A])] == [2001]
+    assert [p.pid for p in holders_of(fake, [MIG_B])] == [2002]
+    assert sorted(p.pid for p in holders_of(fake, [GPU1])) == [2001, 2002]  # the whole GPU, by its UUID
+    assert sorted(p.pid for p in holders_of(fake, [1])) == [2001, 2002]
+    assert sorted(p.pid for p in holders_of(fake, [0, MIG_B])) == [2000, 2002]
+
+
+def test_fake_gpu_mig_wait_released_proves_the_release_on_that_mig_device() -> None:
+    fake = mig_gpu()
+
+    async def scenario() -> tuple[float | None, list[GpuProcess]]:
+        asyncio.get_running_loop().call_later(0.2, fake.release, 2001)
+        return await wait_released(fake, [2001, 2002], timeout=5.0, interval=0.01, items=[MIG_A])
+
+    ms, left = asyncio.run(scenario())
+    # 2002 still holds MIG_B: not this unit's device, so not its residue.
+    assert left == [] and ms is not None and 190 <= ms < 2000
+    ms, left = asyncio.run(wait_released(fake, [2002], timeout=0.2, interval=0.02, items=[MIG_B]))
+    assert ms is None and [(p.pid, p.mig, p.where()) for p in left] == [(2002, MIG_B, f"GPU 1 ({MIG_B})")]
+    assert memory_held_by(fake, [2001, 2002], [MIG_A]) == []
+
+
+def test_fake_gpu_mig_min_free_mib_reads_the_mig_devices_own_memory() -> None:
+    from omnid.gpu import watch
+    from omnid.core.lifecycle import UnitState
+
+    fake = mig_gpu()
+
+    class Spec:
+        gpus = (MIG_A,)
+        gpu_min_free_mib = 35000
+
+    class U:
+        name, spec, state, proc = "worker", Spec(), UnitState.ACTIVE, None
+
+    degraded, _ = watch.assess([U()], fake.gpus(), {}, "fake")
+    assert degraded == {"worker": f"{MIG_A} has 30000 MiB free, under gpu_min_free_mib = 35000"}
+    Spec.gpus = ("MIG-gone",)
+    degraded, _ = watch.assess([U()], fake.gpus(), {}, "fake")
+    assert degraded == {"worker": "MIG-gone not visible to fake"}
+
+
+def test_fake_gpu_mig_file_naming_an_unknown_mig_device_is_unavailable_with_a_reason(tmp_path: Path) -> None:
+    path = tmp_path / "gpu.json"
+    write_fake_gpu_file(path, {"gpus": [{"index": 0, "total_mib": 100}],
+                               "processes": [{"pid": 1, "mig": MIG_A, "used_mib": 1}]})
+    fake = FakeGpuBackend(path)
+    assert not fake.available and "processes[0]" in fake.reason and "MIG UUID" in fake.reason
+
+
 # ---------------------------------------------------------------------------- real GPU
 
 @pytest.mark.gpu

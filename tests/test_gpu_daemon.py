@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+
 from omnid.gpu import write_fake_gpu_file
 from tests.harness import make_stack, wait_for
 
@@ -108,3 +110,102 @@ def test_fake_gpu_memory_still_held_after_stop_is_reported_by_pid(tmp_path, daem
     os.kill(other, signal.SIGKILL)
     u = wait_for(lambda: (x := d.unit("other"))["gpu_held"] and x, 5, "the held GPU memory named after a failure")
     assert u["state"] == "failed" and u["gpu_held"] == [f"pid {other} holds 1024 MiB on GPU 0"], u
+
+
+# --------------------------------------------------------------------------- GPU faults (omnid(8) GPU FAULTS)
+
+
+
+def _gpu_daemon(tmp_path, daemon_factory, units: dict[str, str], **env: str):
+    from omnid.gpu import FakeGpuBackend
+
+    path = tmp_path / "gpu.json"
+    write_fake_gpu_file(path, {"gpus": [{"index": 0, "total_mib": 8000}, {"index": 1, "total_mib": 8000}],
+                               "processes": []})
+    d = daemon_factory(make_stack(units), env={"OMNID_FAKE_GPU": str(path), "OMNID_GPU_INTERVAL": "0.1", **env})
+    return d, FakeGpuBackend(path)
+
+
+def test_fake_gpu_xid_79_turns_health_failed_naming_the_gpu(tmp_path, daemon_factory):
+    d, fake = _gpu_daemon(tmp_path, daemon_factory, {"worker": 'exec = ["sleep", "1000"]\ngpus = [0]\n',
+                                                     "other": 'exec = ["sleep", "1000"]\ngpus = [1]\n'})
+    d.wait_all_active()
+    wait_for(lambda: d.http("/health")[0] == 200, 5, "200 before the fault")
+    fake.inject_xid(0, 79)
+    code, body = wait_for(lambda: (r := d.http("/health"))[1].get("gpus") and r, 5,
+                          f"/health naming the GPU\n{d.log()[-2000:]}")
+    assert code == 503 and body["status"] == "failed", body
+    g = body["gpus"]["GPU 0"]
+    assert g["status"] == "failed" and "Xid 79" in g["reason"] and "fallen off the bus" in g["reason"], g
+    assert g["units"] == ["worker"] and "GPU 1" not in body["gpus"]
+    st = d.ok("status")["daemon"]["gpu"]
+    assert [c["xid"] for c in st["conditions"]] == [79] and st["conditions"][0]["blocks_start"]
+
+
+def test_fake_gpu_xid_79_fails_the_unit_on_that_gpu_and_refuses_a_new_start(tmp_path, daemon_factory):
+    d, fake = _gpu_daemon(tmp_path, daemon_factory, {"worker": 'exec = ["sleep", "1000"]\ngpus = [0]\n',
+                                                     "other": 'exec = ["sleep", "1000"]\ngpus = [1]\n'})
+    d.wait_all_active()
+    fake.inject_xid(0, 79)
+    u = d.wait_state("worker", "failed", timeout=5)
+    assert "Xid 79" in u["reason"] and "fallen off the bus" in u["reason"], u
+    assert d.unit("other")["state"] == "active"  # another GPU's unit is not touched
+    code, body = d.http("/health")
+    assert code == 503 and body["status"] == "failed" and body["gpus"]["GPU 0"]["status"] == "failed"
+    reply = d.call("start", {"units": ["worker"], "timeout": 10})
+    units = reply["result"]["units"] if reply["ok"] else []
+    reason = units[0]["reason"] if units else reply["error"]["message"]
+    assert "refusing to start on GPU 0" in reason and "Xid 79" in reason, reply
+    assert d.unit("worker")["pid"] is None
+
+
+def test_fake_gpu_xid_48_fails_the_unit_with_the_xid_in_its_reason_and_it_restarts(tmp_path, daemon_factory):
+    d, fake = _gpu_daemon(tmp_path, daemon_factory,
+                          {"worker": 'exec = ["sleep", "1000"]\ngpus = [0]\nrestart = "on-failure"\nrestart_sec = 0.1\n'})
+    old = d.wait_state("worker", "active")["pid"]
+    fake.inject_xid(0, 48)
+    wait_for(lambda: "Xid 48" in (d.unit("worker")["reason"] or ""), 5, f"the Xid in the reason\n{d.log()[-2000:]}")
+    assert "double-bit ECC" in d.unit("worker")["reason"]
+    code, body = d.http("/health")
+    assert code == 503 and "GPU 0" in body.get("gpus", {}), body
+    # A contained fault does not block the GPU: the restart policy brings the unit back.
+    wait_for(lambda: (u := d.unit("worker"))["state"] == "active" and u["pid"] != old, 10, "the restart")
+
+
+def test_fake_gpu_hung_nvml_call_keeps_health_answering_and_status_says_unreadable(tmp_path, daemon_factory):
+    import subprocess
+    import sys
+    import time
+
+    from tests.harness import REPO, repo_pythonpath
+
+    d, fake = _gpu_daemon(tmp_path, daemon_factory, {"worker": 'exec = ["sleep", "1000"]\ngpus = [0]\n'},
+                          OMNID_NVML_TIMEOUT="2")
+    d.wait_all_active()
+    wait_for(lambda: d.http("/health")[0] == 200, 5, "200 before the hang")
+    fake.set_hang(True)
+    try:
+        # The GPU watch's read is now stuck in the "driver"; /health answers all along.
+        deadline = time.monotonic() + 3.0
+        slowest = 0.0
+        while time.monotonic() < deadline:
+            t0 = time.monotonic()
+            d.http("/health/live")
+            d.http("/health")
+            slowest = max(slowest, time.monotonic() - t0)
+            time.sleep(0.05)
+        assert slowest < 1.0, f"/health took {slowest:.2f} s while an NVML call hung"
+        gpu = wait_for(lambda: (g := d.ok("status")["daemon"]["gpu"])["stuck_threads"] == 1 and g, 10,
+                       f"status to say the GPU is unreadable\n{d.log()[-2000:]}")
+        assert not gpu["readable"] and "GPU 0: nvmlDeviceGetMemoryInfo has not returned" in gpu["reason"], gpu
+        code, body = d.http("/health")
+        assert code == 503 and body["status"] == "degraded", body
+        assert "unreadable" in body["gpus"]["GPU 0"]["reason"] and body["gpus"]["GPU 0"]["units"] == ["worker"]
+        out = subprocess.run([sys.executable, "-m", "omnid", "--control", d.control, "status"], capture_output=True,
+                             text=True, timeout=30, cwd=str(REPO), env=dict(__import__("os").environ,
+                                                                            PYTHONPATH=repo_pythonpath()))
+        assert "GPU: fake GPU reads stuck: unreadable: GPU 0: nvmlDeviceGetMemoryInfo" in out.stdout, out.stdout
+        assert "(1 reader thread stuck)" in out.stdout
+    finally:
+        fake.set_hang(False)
+    wait_for(lambda: d.http("/health")[0] == 200, 10, "200 again once the call returned")

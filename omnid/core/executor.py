@@ -84,7 +84,7 @@ class Executor:
             DecideRestart: self._decide_restart, ReportUnkillable: self._report_unkillable,
             WaitRelease: self._wait_release, Release: self._release, Publish: self._publish,
         }
-        self.captures = None  # omnid.forensics store, when the daemon has one
+        self.captures = None  # omnid.capturestore.CaptureStore, when the daemon keeps captures
         self.drains = None  # omnid drain hooks, when the daemon has them
 
     def of(self, rt: UnitRuntime) -> Works:
@@ -161,8 +161,11 @@ class Executor:
 
     async def _spawn_task(self, rt: UnitRuntime, reason: str) -> None:
         sup, spec = self.sup, rt.spec
-        ours = {x.proc.pid for x in sup.units.values() if x.proc is not None}
-        refusal = spawning.gpu_held_by_leftover(spec, sup.gpu, ours)
+        refusal = spawning.gpu_refusal(spec, sup.gpu)
+        if refusal is None and spec.gpus and sup.gpu_on():
+            # NVML reads run off the loop (a hung driver must not stall it)
+            ours = {x.proc.pid for x in sup.units.values() if x.proc is not None}
+            refusal = await asyncio.to_thread(spawning.gpu_held_by_leftover, spec, sup.gpu, ours)
         if refusal:
             sup.feed(rt, E.SPAWN_FAILED, refusal)
             return
@@ -272,15 +275,26 @@ class Executor:
                 self.sup.feed(rt, E.CAPTURED, "no capture")
             return
         epoch = rt.epoch
-        members = self._termination(rt, ctx).target.members()
-        self._task(rt, "capture" if a.feed else "capture-beside",
-                   self._capture_task(rt, epoch, rt.proc, members, a.feed))
+        term = self._termination(rt, ctx)
+        from omnid import forensics
 
-    async def _capture_task(self, rt: UnitRuntime, epoch: int, h: ProcessHandle, members: list, feed: bool) -> None:
-        summary = await self.captures.capture_unit(rt, h, members, budget_s=capture_budget(rt.spec))
-        rt.capture_summary = summary
-        if feed:
-            self._feed_if_current(rt, epoch, E.CAPTURED, summary)
+        members = forensics.member_list(rt.proc.pid, rt.proc.start_time, term.target.members())
+        why = ctx.detail or rt.stop_reason or "stop_timeout is near"
+        self._task(rt, "capture" if a.feed else "capture-beside", self._capture_task(rt, epoch, members, why, a.feed))
+
+    async def _capture_task(self, rt: UnitRuntime, epoch: int, members: list, why: str, feed: bool) -> None:
+        """The stacks of a hung unit, bounded by capture_timeout: fed back as CAPTURED (the stop
+        signal goes out at once), then kept in the state directory (omnid dump)."""
+        from omnid import forensics
+
+        budget = capture_budget(rt.spec) if feed else min(capture_budget(rt.spec), rt.spec.stop_timeout / 2)
+        cap = await forensics.capture(rt.name, members, why=why, budget_s=budget, max_bytes=forensics.DEFAULT_MAX_BYTES)
+        rt.capture_summary = cap.summary
+        if feed and rt.epoch == epoch:
+            rt.stop_reason = f"{rt.stop_reason}; stacks: {cap.summary}"
+            rt.reason = rt.stop_reason
+            self.sup.feed(rt, E.CAPTURED, cap.summary)
+        await self.captures.save_async(cap)
 
     def _drain(self, rt: UnitRuntime, a: Drain, ctx: Ctx) -> None:
         if self.drains is None:

@@ -76,6 +76,15 @@ def environ(spec: UnitSpec, notify_socket: str | None, token: str, extra: dict[s
     return env
 
 
+def gpu_refusal(spec: UnitSpec, backend: object | None) -> str | None:
+    """A GPU of the unit has fallen off the bus or cannot be read: no start (no NVML call)."""
+    if backend is None or not spec.gpus:
+        return None
+    from omnid import gpu as gpu_mod
+
+    return gpu_mod.start_refusal(backend, spec.gpus)
+
+
 def gpu_held_by_leftover(spec: UnitSpec, backend: object | None, ours: set[int]) -> str | None:
     """A unit must not start on a GPU that a leftover omnid process still holds."""
     if backend is None or not spec.gpus or not getattr(backend, "available", False) \

@@ -158,9 +158,10 @@ class Supervisor:
             if out.state is S.STOPPING and prev_state is not S.STOPPING:
                 self.executor.of(rt).stop_from = prev_state
             self.executor.left(rt, prev_state)
-        if out.cause is not None:  # a stop begins: what it is for is the reason it ends with
+        if out.cause is not None:  # a stop begins (or changes why): the reason it ends with
             rt.cause = out.cause
-            rt.stop_reason = rt.last_exit_what if event is E.EXITED else detail
+            if prev_state is not S.STOPPING or event in (E.DEPENDENCY_DOWN, E.GROUP_DOWN):
+                rt.stop_reason = rt.last_exit_what if event is E.EXITED else detail
         if prev_state is not out.state or event is E.SPAWN_FAILED:  # failed -> failed is a new failure
             rt.since = time.time()
             if out.state is not S.ACTIVE:
@@ -437,9 +438,12 @@ class Supervisor:
     def gpu_fault(self, gpu: int | str, xid: int, meaning: str) -> list[str]:
         """A critical fault (an Xid) on one GPU: every running unit on it fails, naming it.
         Returns the units that were failed."""
+        from omnid.gpu import affects
+
         hit = []
         for rt in self.units.values():
-            if gpu in rt.spec.gpus and rt.state in (S.STARTING, S.ACTIVE) and not rt.dead:
+            if any(affects(self.gpu, gpu, item) for item in rt.spec.gpus) \
+                    and rt.state in (S.STARTING, S.ACTIVE) and not rt.dead:
                 hit.append(rt.name)
                 self.feed(rt, E.GPU_FAULT, f"GPU {gpu} fault: Xid {xid} ({meaning})")
         return hit
@@ -456,7 +460,7 @@ class Supervisor:
         if not pids:
             return None, []
         try:
-            ms, left = await gpu_mod.wait_released(self.gpu, pids, timeout)
+            ms, left = await gpu_mod.wait_released(self.gpu, pids, timeout, items=self.units[name].spec.gpus or None)
         except Exception as exc:  # noqa: BLE001 - a GPU read error must not break a stop
             log.warning("gpu release check failed", unit=name, error=str(exc))
             return None, []

@@ -14,6 +14,7 @@ watchdog alike. Only this module of omnid imports torch.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -278,6 +279,14 @@ def run(config: WorkerConfig) -> int:
     return 0
 
 
+@functools.cache
+def _fake_gpu(path: str) -> Any:
+    """One fake GPU backend for the worker's life (each has a reader thread of its own)."""
+    from omnid.gpu import FakeGpuBackend
+
+    return FakeGpuBackend(path)
+
+
 def gpu_full(model: Model, config: WorkerConfig) -> str | None:
     """Why this worker's GPU cannot take a request now, or None.
 
@@ -290,10 +299,8 @@ def gpu_full(model: Model, config: WorkerConfig) -> str | None:
         free_mib = free / 2**20
         where = f"GPU {model.device}"
     elif os.environ.get("OMNID_FAKE_GPU") and os.environ.get("CUDA_VISIBLE_DEVICES", "").isdigit():
-        from omnid.gpu import FakeGpuBackend
-
         index = int(os.environ["CUDA_VISIBLE_DEVICES"])
-        gpus = {g.index: g for g in FakeGpuBackend(os.environ["OMNID_FAKE_GPU"]).gpus()}
+        gpus = {g.index: g for g in _fake_gpu(os.environ["OMNID_FAKE_GPU"]).gpus()}
         if index not in gpus:
             return None
         free_mib = gpus[index].free_mib

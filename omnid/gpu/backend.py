@@ -1,15 +1,23 @@
 """The GPU backend protocol, what every backend answers, and the questions the
-supervisor asks of any backend (see omnid.gpu for the whole story)."""
+supervisor asks of any backend (see omnid.gpu for the whole story). A unit's GPU is an
+index, a GPU UUID or a MIG device UUID (`GpuItem`); every question takes any of them."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
+
+from omnid.gpu.bounded import GpuUnreadable
+from omnid.gpu.faults import GpuCondition, GpuFaults
+from omnid.gpu.items import GpuItem, is_mig, label
+
+if TYPE_CHECKING:
+    from omnid.gpu.events import XidEvent
 
 log = structlog.get_logger("omnid.gpu")
 
@@ -30,13 +38,40 @@ def _say_once(key: str, event: str, **fields: Any) -> None:
 
 @dataclass(frozen=True)
 class GpuProcess:
-    """One process with a context on one GPU (a process on two GPUs appears twice)."""
+    """One process with a context on one GPU or MIG device (a process on two appears twice)."""
 
     pid: int
-    gpu: int
+    gpu: int  # index of the (physical) GPU
     # 0.0 when the driver cannot tell the amount (NVML_VALUE_NOT_AVAILABLE); the
     # process still holds the GPU, so it still counts as residue.
     used_mib: float
+    mig: str = ""  # the MIG device's UUID when the process runs on one
+    uuid: str = ""  # the GPU's UUID, "" when the backend does not know it
+
+    def on(self, item: GpuItem) -> bool:
+        """Does this process hold memory on `item` (a whole GPU covers its MIG devices)?"""
+        if isinstance(item, int):
+            return self.gpu == item
+        if is_mig(item):
+            return self.mig == item
+        return bool(self.uuid) and self.uuid == item
+
+    def where(self) -> str:
+        return f"GPU {self.gpu}" + (f" ({self.mig})" if self.mig else "")
+
+
+@dataclass(frozen=True)
+class MigInfo:
+    """One MIG device (a GPU instance + compute instance of a GPU in MIG mode)."""
+
+    uuid: str
+    gpu: int  # index of its GPU
+    index: int  # its index among its GPU's MIG devices
+    total_mib: float
+    free_mib: float
+    used_mib: float
+    gpu_instance: int = -1
+    compute_instance: int = -1
 
 
 @dataclass(frozen=True)
@@ -48,6 +83,20 @@ class GpuInfo:
     total_mib: float
     free_mib: float
     used_mib: float
+    uuid: str = ""
+    migs: tuple[MigInfo, ...] = ()  # its MIG devices when it is in MIG mode
+
+
+def find_device(gpus: Iterable[GpuInfo], item: GpuItem) -> GpuInfo | MigInfo | None:
+    """The GPU or MIG device `item` names among `gpus`, or None."""
+    for g in gpus:
+        if item == g.index or (isinstance(item, str) and item == g.uuid):
+            return g
+        if is_mig(item):
+            for m in g.migs:
+                if m.uuid == item:
+                    return m
+    return None
 
 
 class GpuBackend(Protocol):
@@ -73,9 +122,46 @@ class GpuBackend(Protocol):
         """True when the pids in `processes()` are pids of this PID namespace."""
         ...
 
-    def gpus(self) -> list[GpuInfo]: ...
+    @property
+    def stuck_threads(self) -> int:
+        """Threads blocked in an NVML call past its deadline (each counted once)."""
+        ...
 
-    def processes(self) -> list[GpuProcess]: ...
+    @property
+    def faults(self) -> GpuFaults:
+        """Conditions the GPU watch found (Xid events, memory health)."""
+        ...
+
+    def gpus(self) -> list[GpuInfo]:
+        """Every GPU; raises GpuUnreadable when an NVML call does not return in time."""
+        ...
+
+    def processes(self, items: Iterable[GpuItem] | None = None) -> list[GpuProcess]:
+        """Processes holding memory (on `items` only, when given); may raise GpuUnreadable."""
+        ...
+
+    def memory_health(self) -> dict[int, tuple[str, str]]:
+        """GPU index -> ("degraded", why) for row remapping / page retirement pending or
+        failed; may raise GpuUnreadable."""
+        ...
+
+    def conditions(self) -> list[GpuCondition]:
+        """Everything wrong with the GPUs now (faults, and a stuck read), without an NVML call."""
+        ...
+
+    def parent_of(self, item: GpuItem) -> int | None:
+        """The index of the GPU `item` is (or is a MIG device of), from what was last read;
+        never an NVML call. None when unknown."""
+        ...
+
+    def start_xid_events(self, deliver: Callable[[XidEvent], None]) -> str | None:
+        """Start delivering critical Xid events (from a thread of its own); returns why
+        not when this backend cannot, else None."""
+        ...
+
+    def stop_xid_events(self, wait_s: float | None = None) -> None:
+        """Stop delivering (events are kept for the next start); with `wait_s`, end the thread."""
+        ...
 
 
 def in_initial_pid_namespace() -> bool:
@@ -97,38 +183,71 @@ class NoGpuBackend:
     kind = "none"
     available = False
     pids_local = True
+    stuck_threads = 0
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
+        self.faults = GpuFaults()
 
     def gpus(self) -> list[GpuInfo]:
         return []
 
-    def processes(self) -> list[GpuProcess]:
+    def processes(self, items: Iterable[GpuItem] | None = None) -> list[GpuProcess]:
         return []
+
+    def memory_health(self) -> dict[int, tuple[str, str]]:
+        return {}
+
+    def conditions(self) -> list[GpuCondition]:
+        return []
+
+    def parent_of(self, item: GpuItem) -> int | None:
+        return None
+
+    def start_xid_events(self, deliver: Callable[[XidEvent], None]) -> str | None:
+        return self.reason
+
+    def stop_xid_events(self, wait_s: float | None = None) -> None:
+        pass
 
 
 # ---------------------------------------------------------------------------- questions
 
 
-def memory_held_by(backend: GpuBackend, pids: Iterable[int]) -> list[GpuProcess]:
-    """GPU memory held by any of `pids`; `[]` when the backend cannot tell (see `available`,
-    `pids_local`)."""
+def memory_held_by(backend: GpuBackend, pids: Iterable[int], items: Iterable[GpuItem] | None = None) -> list[GpuProcess]:
+    """GPU memory held by any of `pids` (on `items` only, when given: a unit's GPUs or MIG
+    devices); `[]` when the backend cannot tell (see `available`, `pids_local`). Raises
+    GpuUnreadable when a read gets stuck: "cannot tell" must never read as "released"."""
     wanted = frozenset(pids)
     if not wanted or not backend.available:
         return []
     if not backend.pids_local:
         _say_once("held-pidns", "gpu: NVML pids are host pids; cannot match unit pids")
         return []
-    return [p for p in backend.processes() if p.pid in wanted]
+    scope = None if items is None else list(items)
+    return [p for p in _processes(backend, scope) if p.pid in wanted and (not scope or any(p.on(i) for i in scope))]
 
 
-def holders_of(backend: GpuBackend, gpu_indexes: Iterable[int]) -> list[GpuProcess]:
-    """Every process holding memory on any of `gpu_indexes` (whoever it belongs to)."""
-    wanted = frozenset(gpu_indexes)
+def holders_of(backend: GpuBackend, items: Iterable[GpuItem]) -> list[GpuProcess]:
+    """Every process holding memory on any of `items` (indexes, GPU or MIG UUIDs), whoever
+    it belongs to. `[]` when the backend cannot tell, a stuck read included (logged):
+    call start_refusal first, which refuses a start on an unreadable GPU."""
+    wanted = list(dict.fromkeys(items))
     if not wanted or not backend.available:
         return []
-    return [p for p in backend.processes() if p.gpu in wanted]
+    try:
+        procs = _processes(backend, wanted)
+    except GpuUnreadable as exc:
+        log.warning("gpu: cannot list the holders of a unit's GPUs", gpus=[label(i) for i in wanted], error=str(exc))
+        return []
+    return [p for p in procs if any(p.on(i) for i in wanted)]
+
+
+def _processes(backend: GpuBackend, items: Iterable[GpuItem] | None) -> list[GpuProcess]:
+    items = None if items is None else list(items)
+    if not items:
+        return backend.processes()
+    return backend.processes(items)
 
 
 async def gpus_async(backend: GpuBackend) -> list[GpuInfo]:
@@ -142,14 +261,18 @@ async def processes_async(backend: GpuBackend) -> list[GpuProcess]:
 
 
 async def wait_released(backend: GpuBackend, pids: Iterable[int], timeout: float,
-                        interval: float = 0.05) -> tuple[float | None, list[GpuProcess]]:
-    """Poll until none of `pids` holds GPU memory, for at most `timeout` seconds.
+                        interval: float = 0.05,
+                        items: Iterable[GpuItem] | None = None) -> tuple[float | None, list[GpuProcess]]:
+    """Poll until none of `pids` holds GPU memory (on `items` only, when given: the unit's
+    GPUs or MIG devices), for at most `timeout` seconds.
 
     Returns `(ms, [])` when the memory is free, ms counted from the call;
     `(None, leftovers)` when some is still held at the deadline;
     `(None, [])` when the backend cannot tell (no GPU, host pids, NVML not answering).
-    Each read runs in a thread, so a hung driver delays nothing past the deadline.
+    Each read runs in a thread and every NVML call is bounded (omnid.gpu.bounded), so a
+    hung driver delays nothing past the deadline.
     """
+    scope = None if items is None else list(items)
     wanted = frozenset(pids)
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -162,11 +285,11 @@ async def wait_released(backend: GpuBackend, pids: Iterable[int], timeout: float
             return 0.0, []
         try:
             leftovers = await asyncio.wait_for(
-                asyncio.to_thread(memory_held_by, backend, wanted),
+                asyncio.to_thread(memory_held_by, backend, wanted, scope),
                 timeout=max(deadline - loop.time(), interval))
-        except TimeoutError:
-            _say_once("wait-released-hung", "gpu: GPU read did not answer before the deadline",
-                      timeout_s=timeout)
+        except (TimeoutError, GpuUnreadable) as exc:
+            _say_once("wait-released-hung", "gpu: GPU read did not answer before the deadline; "
+                      "cannot tell whether the memory is released", timeout_s=timeout, error=str(exc))
             return None, leftovers
         now = loop.time()
         if not leftovers:

@@ -1,0 +1,95 @@
+"""Hang forensics in the kill path (FM-27): before omnid kills a unit that is alive but
+failed, the stacks of its processes are captured within capture_timeout, and the kill is
+never delayed past that bound. Real hung processes; the kernel (/proc) says who is alive."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from datetime import datetime
+
+from tests.harness import alive, make_stack, wait_for
+from tests.test_failure import exec_line, write_prog
+
+
+def ts(e: dict) -> float:
+    return datetime.fromisoformat(e["timestamp"]).timestamp()
+
+
+def events(d, unit: str) -> list[dict]:
+    return [e for e in d.log_events() if e.get("event") == "unit state" and e.get("unit") == unit]
+
+
+def test_a_hung_unit_is_captured_then_killed_within_the_capture_bound(tmp_path, daemon_factory):
+    prog = write_prog(tmp_path)
+    d = daemon_factory(make_stack({
+        "worker": f'{exec_line(prog, "--notify", "--watchdog", "0.2")}\nready = "notify"\nwatchdog_sec = 1\n'
+                  'stop_timeout = 0.5\ncapture_timeout = 2\n'}))
+    victim = d.wait_state("worker", "active")["pid"]
+    t0 = time.time()
+    signal.pidfd_send_signal(fd := __import__("os").pidfd_open(victim), signal.SIGSTOP)
+    __import__("os").close(fd)
+    w = d.wait_state("worker", "failed", timeout=20)
+    assert not alive(victim)
+    assert w["reason"].startswith("watchdog:") and "; stacks: " in w["reason"], w["reason"]
+    ev = events(d, "worker")
+    stopping = next(e for e in ev if e["to"] == "stopping")
+    failed = next(e for e in ev if e["to"] == "failed")
+    # capture (<= capture_timeout) + stop_timeout (the stopped process is SIGKILLed at it)
+    took = ts(failed) - ts(stopping)
+    assert 0.5 <= took <= 2 + 0.5 + 1.0, took
+    print(f"\nwatchdog fired {ts(stopping) - t0:.2f} s after SIGSTOP; capture + kill took {took:.2f} s")
+    dump = d.ok("dump", {"unit": "worker"})["captures"]
+    assert dump and "T" in dump[-1]["capture"]["processes"][0]["state"], dump[-1]["capture"]["processes"][0]
+    assert w["last_capture"]["summary"] in w["reason"], (w["last_capture"], w["reason"])
+
+
+def test_capture_timeout_zero_kills_without_a_capture(tmp_path, daemon_factory):
+    prog = write_prog(tmp_path)
+    d = daemon_factory(make_stack({
+        "worker": f'{exec_line(prog, "--notify", "--watchdog", "0.2")}\nready = "notify"\nwatchdog_sec = 1\n'
+                  'stop_timeout = 0.5\ncapture_timeout = 0\n'}))
+    victim = d.wait_state("worker", "active")["pid"]
+    import os
+
+    fd = os.pidfd_open(victim)
+    signal.pidfd_send_signal(fd, signal.SIGSTOP)
+    os.close(fd)
+    w = d.wait_state("worker", "failed", timeout=20)
+    assert "stacks:" not in w["reason"] and d.ok("dump", {"unit": "worker"})["captures"] == []
+
+
+def test_a_hung_unit_that_cannot_be_traced_is_still_killed_on_time_and_the_reason_says_so(tmp_path, daemon_factory):
+    prog = write_prog(tmp_path)
+    d = daemon_factory(make_stack({
+        "worker": f'{exec_line(prog, "--notify", "--watchdog", "0.2")}\nready = "notify"\nwatchdog_sec = 1\n'
+                  'stop_timeout = 0.5\ncapture_timeout = 2\n'}),
+        env={"OMNID_PY_SPY": str(tmp_path / "no-such-py-spy"), "PATH": "/usr/bin:/bin"})
+    victim = d.wait_state("worker", "active")["pid"]
+    import os
+
+    fd = os.pidfd_open(victim)
+    signal.pidfd_send_signal(fd, signal.SIGSTOP)
+    os.close(fd)
+    w = d.wait_state("worker", "failed", timeout=20)
+    assert not alive(victim)
+    assert "py-spy" in w["reason"], w["reason"]
+
+
+def test_an_operator_stop_of_a_stubborn_unit_takes_its_stacks_beside_and_sigkill_stays_exact(tmp_path,
+                                                                                            daemon_factory):
+    stubborn = ('exec = ["sh", "-c", "trap \\"\\" TERM; sleep 1000 & wait; wait"]\nstop_timeout = 1\n'
+                'capture_timeout = 2\n')
+    d = daemon_factory(make_stack({"s": stubborn}))
+    d.wait_state("s", "active")
+    t0 = time.monotonic()
+    summary = d.ok("stop", {"units": ["s"]})["summary"]
+    took = time.monotonic() - t0
+    rec = next(r for r in summary if r["unit"] == "s")
+    assert rec["escalated"] and 1.0 <= rec["seconds"] < 1.5, rec
+    wait_for(lambda: d.ok("dump", {"unit": "s"})["captures"], 5, "the capture kept beside the stop")
+    cap = d.ok("dump", {"unit": "s"})["captures"][-1]["capture"]
+    assert cap["seconds"] <= 0.5 + 0.1, cap["seconds"]  # at most stop_timeout / 2: done by the SIGKILL
+    print(f"\nstop with a capture beside: {took:.2f} s, SIGKILL {rec['seconds']:.3f} s after SIGTERM; "
+          f"capture {cap['seconds']:.3f} s: {json.dumps(cap['summary'])[:120]}")

@@ -264,6 +264,12 @@ class Daemon:
                 pass
             except Exception:  # noqa: BLE001 - already logged by _report_task
                 pass
+        drain_sec = self.stack.settings.drain_sec or 0.0
+        if drain_sec > 0:  # the preStop pattern: /health says draining before any stop signal
+            self.sup.shutting_down = True
+            self.sup.draining_until = time.monotonic() + drain_sec
+            log.info("draining before the stop", drain_sec=drain_sec)
+            await asyncio.sleep(drain_sec)
         t0 = time.monotonic()
         recs = await self.sup.requests.shutdown()
         self.shutdown_result.set_result(recs)

@@ -40,6 +40,8 @@ def overall(sup: Supervisor, degraded: dict[str, str], gpus: dict[str, dict] | N
     condition of a unit's GPU "degraded"."""
     from omnid.gpu import worst
 
+    if sup.draining():
+        return "draining"  # load balancers stop sending; accepted requests finish
     if sup.shutting_down:
         return "stopping"
     units = sup.units.values()

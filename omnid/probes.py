@@ -26,21 +26,23 @@ async def tcp_probe(host: str, port: int, timeout: float) -> None:
         pass
 
 
-async def http_probe(url: str, timeout: float) -> int:
-    """GET url; success is a 2xx answer. Returns the status code."""
+async def http_status(url: str, timeout: float, method: str = "GET") -> int:
+    """One HTTP request (GET, or POST with an empty body); returns the status code.
+    ProbeFailed when there is no answer (refused, timed out, malformed)."""
     parts = urllib.parse.urlsplit(url)
     host = parts.hostname or "127.0.0.1"
     port = parts.port or 80
     path = parts.path or "/"
     if parts.query:
         path += "?" + parts.query
-    what = f"GET {url}"
+    what = f"{method} {url}"
+    body = "Content-Length: 0\r\n" if method == "POST" else ""
 
     async def go() -> int:
         reader, writer = await asyncio.open_connection(host, port)
         try:
             writer.write(
-                f"GET {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nUser-Agent: omnid-probe\r\n"
+                f"{method} {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nUser-Agent: omnid-probe\r\n{body}"
                 "Connection: close\r\n\r\n".encode()
             )
             await writer.drain()
@@ -56,11 +58,16 @@ async def http_probe(url: str, timeout: float) -> int:
             writer.close()
 
     try:
-        status = await asyncio.wait_for(go(), timeout)
+        return await asyncio.wait_for(go(), timeout)
     except asyncio.TimeoutError as exc:
         raise ProbeFailed(f"{what} timed out") from exc
     except OSError as exc:
         raise ProbeFailed(f"{what}: {exc.strerror or exc}") from exc
+
+
+async def http_probe(url: str, timeout: float) -> int:
+    """GET url; success is a 2xx answer. Returns the status code."""
+    status = await http_status(url, timeout)
     if not 200 <= status < 300:
-        raise ProbeFailed(f"{what} answered {status}")
+        raise ProbeFailed(f"GET {url} answered {status}")
     return status

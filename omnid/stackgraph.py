@@ -8,7 +8,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from omnid.unitfile import GROUP_POLICY_KEYS, _Template
-from omnid.unitmodel import Liveness, Ready, ReadyKind, Unit, UnitFileError, _REFERENCE, _SPECIFIER
+from omnid.unitmodel import DrainHook, Liveness, Ready, ReadyKind, Unit, UnitFileError, _REFERENCE, _SPECIFIER
 from omnid.unitvalues import _Invalid, _Table, _http_url, _quote, parse_host_port
 
 
@@ -66,6 +66,12 @@ def _expand_unit(
             liveness = Liveness(_http_url(x(liveness.url)), liveness.interval, liveness.timeout, liveness.failures)
         except _Invalid as exc:
             t.error("liveness.http", str(exc))
+    drain: DrainHook | None = v["drain"]
+    if drain is not None and drain.url:
+        try:
+            drain = DrainHook(url=_http_url(x(drain.url)))
+        except _Invalid as exc:
+            t.error("drain.http", str(exc))
     cwd = v["cwd"]
     if cwd is not None:
         # Relative to the stack directory: the daemon's own cwd is "/" under systemd.
@@ -97,6 +103,8 @@ def _expand_unit(
         stop_timeout=v["stop_timeout"],
         kill_timeout=v["kill_timeout"],
         capture_timeout=v["capture_timeout"],
+        drain=drain,
+        drain_timeout=v["drain_timeout"],
         restart=v["restart"],
         restart_sec=v["restart_sec"],
         restart_max_sec=v["restart_max_sec"],

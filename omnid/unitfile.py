@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omnid.unitmodel import DEFAULT_TITLE, DaemonSettings, Liveness, LogFormat, Ready, ReadyKind, RestartPolicy, TorchDistributed, UnitFileError
-from omnid.unitvalues import MAX_INSTANCES, _Invalid, _Table, _argv, _cgroup_amount, _choice, _describe, _env, _gpus, _group_name, _integer, _limits, _nonempty_string, _seconds, _seconds_at_most, _string, _string_list, parse_host_port, parse_signal
+from omnid.unitmodel import DEFAULT_TITLE, DaemonSettings, DrainHook, Liveness, LogFormat, Ready, ReadyKind, RestartPolicy, TorchDistributed, UnitFileError
+from omnid.unitvalues import MAX_INSTANCES, InvalidValue, _Invalid, _Table, _argv, _cgroup_amount, _choice, _describe, _env, _gpus, _group_name, _integer, _limits, _nonempty_string, _seconds, _seconds_at_most, _string, _string_list, parse_host_port, parse_signal
 
 
 # --------------------------------------------------------------------------- unit files
@@ -23,13 +23,13 @@ UNIT_KEYS = (
     "user", "group", "limits", "gpus", "ready", "ready_timeout", "liveness", "watchdog_sec",
     "stop_signal", "stop_timeout", "kill_timeout", "restart", "restart_sec", "restart_max_sec",
     "start_limit_burst", "start_limit_interval", "gpu_min_free_mib", "worker_group", "torch_distributed",
-    "memory_max", "tasks_max", "capture_timeout",
+    "memory_max", "tasks_max", "capture_timeout", "drain", "drain_timeout",
 )  # fmt: skip
 TORCH_DISTRIBUTED_KEYS = ("master_addr", "master_port")
 # The restart policy of a worker group is one policy: every member must declare the same.
 GROUP_POLICY_KEYS = ("restart", "restart_sec", "restart_max_sec", "start_limit_burst", "start_limit_interval")
 LIVENESS_KEYS = ("http", "interval", "timeout", "failures")
-SETTINGS_KEYS = ("control", "state_dir", "health_listen", "log_format", "cgroup_root")
+SETTINGS_KEYS = ("control", "state_dir", "health_listen", "log_format", "cgroup_root", "drain_sec")
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,23 @@ def _read_toml(file: Path, errors: list[UnitFileError], sources: dict[str, bytes
 MAX_UNIT_FILE_BYTES = 1 << 20
 
 
+def _drain(value: Any) -> DrainHook:
+    expected = 'a table { http = "http://127.0.0.1:8000/drain" } or { signal = "SIGUSR1" }'
+    if isinstance(value, dict) and len(value) == 1:
+        if "http" in value and isinstance(value["http"], str):
+            return DrainHook(url=value["http"])  # the URL is checked after %i expansion
+        if "signal" in value:
+            try:
+                sig = parse_signal(value["signal"])
+            except InvalidValue as exc:
+                raise _Invalid(f"signal: {exc}") from None
+            if sig in (signal.SIGKILL, signal.SIGSTOP):
+                raise _Invalid(f"signal {sig.name} cannot ask a unit to drain (it cannot be handled); "
+                               f"expected e.g. SIGUSR1")
+            return DrainHook(sig=sig)
+    raise _Invalid(f"expected {expected}, got {_describe(value)}")
+
+
 def _ready(value: Any) -> Ready:
     if value == "started":
         return Ready(ReadyKind.STARTED)
@@ -114,6 +131,8 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
         "stop_timeout": t.get("stop_timeout", 10.0, _seconds(zero_ok=False)),
         "kill_timeout": t.get("kill_timeout", 10.0, _seconds(zero_ok=False)),
         "capture_timeout": t.get("capture_timeout", 3.0, _seconds_at_most(300.0)),
+        "drain": t.get("drain", None, _drain),
+        "drain_timeout": t.get("drain_timeout", 30.0, _seconds(zero_ok=False)),
         "restart": t.get("restart", RestartPolicy.NO, _choice(RestartPolicy)),
         "restart_sec": t.get("restart_sec", 1.0, _seconds(zero_ok=False)),
         "restart_max_sec": t.get("restart_max_sec", 60.0, _seconds(zero_ok=False)),
@@ -198,4 +217,5 @@ def _parse_settings(file: Path, raw: Mapping[str, Any], directory: Path, errors:
         health_listen=t.get("health_listen", None, listen),
         log_format=t.get("log_format", None, _choice(LogFormat)),
         cgroup_root=t.get("cgroup_root", None, path),
+        drain_sec=t.get("drain_sec", None, _seconds(zero_ok=True)),
     )

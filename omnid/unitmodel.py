@@ -103,6 +103,15 @@ class Liveness:
     failures: int = 3
 
 
+@dataclass(frozen=True)
+class DrainHook:
+    """`drain`: how a unit is told to stop taking work before its stop signal: a POST to
+    `url`, or the signal `sig`."""
+
+    url: str = ""
+    sig: signal.Signals | None = None
+
+
 class RestartPolicy(StrEnum):
     NO = "no"
     ON_FAILURE = "on-failure"
@@ -164,6 +173,8 @@ class Unit:
     # Seconds the hang capture (omnid.forensics) may take before a unit that is alive but
     # failed is killed; 0 = no capture.
     capture_timeout: float = 3.0
+    drain: DrainHook | None = None  # planned stops drain first (omnid.unit(5) `drain`)
+    drain_timeout: float = 30.0
     restart: RestartPolicy = RestartPolicy.NO
     restart_sec: float = 1.0
     restart_max_sec: float = 60.0
@@ -214,6 +225,7 @@ class DaemonSettings:
     health_listen: str | None = None  # "HOST:PORT", numeric host
     log_format: LogFormat | None = None
     cgroup_root: Path | None = None  # omnid.cgroup: a writable cgroup v2 directory for the units
+    drain_sec: float | None = None  # /health 503 "draining" this long before the stack's first stop signal
 
 
 @dataclass(frozen=True, eq=False)

@@ -85,7 +85,7 @@ class Executor:
             WaitRelease: self._wait_release, Release: self._release, Publish: self._publish,
         }
         self.captures = None  # omnid.capturestore.CaptureStore, when the daemon keeps captures
-        self.drains = None  # omnid drain hooks, when the daemon has them
+        self.drains = None  # omnid.core.drain.Drains
 
     def of(self, rt: UnitRuntime) -> Works:
         w = self.works.get(rt.name)
@@ -305,6 +305,7 @@ class Executor:
 
     async def _drain_task(self, rt: UnitRuntime, epoch: int) -> None:
         detail = await self.drains.drain(rt)
+        log.info("drain over", unit=rt.name, how=detail)
         self._feed_if_current(rt, epoch, E.DRAINED, detail)
 
     # ------------------------------------------------------------ failure and end

@@ -191,6 +191,7 @@ class Monitors:
                         mainpid=fields["MAINPID"])
         if "STATUS" in fields:
             rt.status_text = fields["STATUS"]
+            self.sup.executor.drains.notified(rt, fields["STATUS"])
         if fields.get("STOPPING") == "1":
             rt.stopping_notified = True
         if fields.get("READY") == "1":

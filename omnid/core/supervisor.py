@@ -23,6 +23,7 @@ import structlog
 
 from omnid import linux
 from omnid.core import groups
+from omnid.core.drain import Drains
 from omnid.core.executor import EXIT_STATUS_WAIT_S, Ctx, Executor
 from omnid.core.invariants import verify, verify_unit
 from omnid.core.lifecycle import ArmTimer, Cause, Event, Goal, IllegalEvent, Phase, UnitState, View, WatchReady, step
@@ -73,6 +74,7 @@ class Supervisor:
         self._early_exits: collections.OrderedDict[int, ExitReport] = collections.OrderedDict()
         self.tier_orphans: list[int] | None = None  # the subreaper's children, read once per converge
         self.executor = Executor(self)
+        self.executor.drains = Drains(self)
         self.monitors = Monitors(self)
         self.schedule = Schedule(self)
         self.requests = OperatorRequests(self)
@@ -85,6 +87,7 @@ class Supervisor:
         self._waker: asyncio.Task | None = None
         self.invariant_violations: list[str] = []
         self.shutting_down = False
+        self.draining_until = 0.0  # monotonic: the stack's drain_sec window before its first stop signal
         self.started_at = time.time()
         self.gpu_mib: dict[str, float] = {}  # unit -> GPU memory of its processes (last GPU watch)
         self.degraded: dict[str, str] = {}  # unit -> why (gpu_min_free_mib)
@@ -430,6 +433,10 @@ class Supervisor:
                 snap.update(self.cgroups.snapshot(n))  # type: ignore[attr-defined]
             out.append(snap)
         return out
+
+    def draining(self) -> bool:
+        """/health says "draining": a unit is draining, or the stack's drain_sec window is open."""
+        return time.monotonic() < self.draining_until or any(rt.phase is P.DRAINING for rt in self.units.values())
 
     def idle(self) -> bool:
         return not any(rt.busy for rt in self.units.values())

@@ -6,7 +6,10 @@ Run as ``python -m omnid.demo.serve``. aiohttp on ``OMNID_DEMO_SERVE_HOST``:
 - ``POST /v1/generate`` ``{"prompt": str, "max_ms"?: int}`` -> 200
   ``{"text", "worker", "ms"}``, or a 4xx/5xx ``{"error": {"code", "message"}}``;
 - ``GET /health`` -> 200 while the engine is connected and has workers, else 503
-  with the reason (the readiness probe of the unit).
+  with the reason (the readiness probe of the unit);
+- ``POST /drain`` -> stop taking work: new requests are refused at once (503
+  ``serve_draining``), the accepted ones finish; answers 200 once none is left
+  (omnid's `drain` hook: the stop signal comes after).
 
 Failure behaviour (FAILURE_MATRIX "fails fast"): no request ever waits for the
 client's own timeout. When the engine's connection closes (socket monitor) or
@@ -236,12 +239,37 @@ class ServeApp:
         self.config = config
         self.engine = engine
         self.stopping: str | None = None
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
         self.app = web.Application(client_max_size=1 << 20)
-        self.app.add_routes([web.post("/v1/generate", self.generate), web.get("/health", self.health)])
+        self.app.add_routes([web.post("/v1/generate", self.generate), web.get("/health", self.health),
+                             web.post("/drain", self.drain)])
+
+    async def drain(self, _request: web.Request) -> web.Response:
+        """Stop taking work; answer once every accepted request is answered."""
+        self.draining = True
+        log.info("%s draining: %d request(s) in flight", self.config.unit, self.in_flight)
+        started = time.monotonic()
+        await self._idle.wait()
+        return web.json_response({"status": "drained", "seconds": round(time.monotonic() - started, 3)})
 
     async def generate(self, request: web.Request) -> web.Response:
         if self.stopping:
             return _error(503, "serve_stopping", f"{self.config.unit} stopping ({self.stopping})")
+        if self.draining:
+            return _error(503, "serve_draining", f"{self.config.unit} is draining before a stop; retry elsewhere")
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            return await self._generate(request)
+        finally:
+            self.in_flight -= 1
+            if not self.in_flight:
+                self._idle.set()
+
+    async def _generate(self, request: web.Request) -> web.Response:
         try:
             body = await request.json()
         except ValueError:
@@ -266,6 +294,8 @@ class ServeApp:
     async def health(self, _request: web.Request) -> web.Response:
         if self.stopping:
             return web.json_response({"status": "stopping", "reason": self.stopping}, status=503)
+        if self.draining:
+            return web.json_response({"status": "draining", "in_flight": self.in_flight}, status=503)
         ok, reason = self.engine.health()
         engine = {k: v for k, v in self.engine.engine.items() if k != "type"} if self.engine.connected else {}
         return web.json_response({"status": "ok" if ok else "unavailable", "reason": reason, "engine": engine},

@@ -27,7 +27,7 @@ FAIL_FAST_S = 2.0
 
 
 class DemoStack:
-    def __init__(self, restart: str = "no", overrides: dict[str, dict[str, str]] | None = None) -> None:
+    def __init__(self, restart: str = "no", overrides: dict[str, dict[str, str | None]] | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="omfm-", dir="/tmp"))
         self.serve_port = free_port()
         self.engine_port = free_port()
@@ -52,9 +52,12 @@ class DemoStack:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _set_key(text: str, key: str, value: str) -> str:
-    """Set a top-level TOML key (replace its line, or add it before the first table)."""
+def _set_key(text: str, key: str, value: str | None) -> str:
+    """Set a top-level TOML key (replace its line, or add it before the first table);
+    None removes it."""
     pattern = re.compile(rf"^{re.escape(key)}\s*=.*$", re.M)
+    if value is None:
+        return pattern.sub("", text)
     if pattern.search(text):
         return pattern.sub(f"{key} = {value}", text, count=1)
     return f"{key} = {value}\n" + text

@@ -1,4 +1,4 @@
-"""The failure matrix (rows FM-01..FM-22) on the reference stack: one test per
+"""The failure matrix (rows FM-01..FM-22, FM-27 and FM-28) on the reference stack: one test per
 row, named after it. Every row checks the kernel (/proc), not omnid's word alone.
 
 Figures each row measured (death -> failed, worst in-flight end) are appended
@@ -478,3 +478,84 @@ def test_fm21_crash_loop_backs_off_then_fails_for_good(stack_factory):
 def _cpu(pid: int) -> float:
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _stop_under_load_watching_health(d, ld):
+    """`omnid stop` (the control command) while the load runs; /health is polled meanwhile.
+    Returns (the moment the stop was asked, [(t, status code, status)] of /health)."""
+    import threading
+
+    seen: list[tuple[float, int, str]] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            try:
+                code, body = d.http("/health")
+            except OSError:  # the daemon closed its health port at the end of the stop
+                return
+            seen.append((time.monotonic(), code, body.get("status", "") if isinstance(body, dict) else ""))
+            if code == 0:
+                return
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        asked = time.monotonic()
+        d.ok("shutdown", timeout=120)
+    finally:
+        done.set()
+        t.join(15)
+    return asked, seen
+
+
+def test_fm28_stop_of_a_serving_stack_drains_first_accepted_requests_finish_new_ones_refused(stack_factory):
+    s, d = stack_factory()
+    d.wait_all_active(120)
+    pids = _everything(d)[1:]
+    ld = Load(s.serve_port, concurrency=6, work_ms=400).start()
+    try:
+        ld.wait_successes(6)
+        asked, seen = _stop_under_load_watching_health(d, ld)
+    finally:
+        ld.stop()
+    assert d.wait_exit(60) == 0
+    assert no_residue(pids)
+    statuses = [st for _t, code, st in seen if code == 503]
+    assert statuses and statuses[0] == "draining", seen[:10]
+    with ld._lock:
+        outcomes = list(ld.outcomes)
+    accepted = [o for o in outcomes if o.started < asked]  # in flight (or earlier) when the drain began
+    lost = [o for o in accepted if not o.ok]
+    assert not lost, [(round(o.ended - asked, 3), o.status, o.error or o.body[:80]) for o in lost]
+    later = [o for o in outcomes if o.started >= asked]
+    for o in later:  # refused cleanly: a 503 saying why, or no connection once the listener closed
+        assert o.status in (503, None) and o.ended - o.started < 2, (o.status, o.error, o.body[:80])
+        if o.status == 503:
+            assert json.loads(o.body)["error"]["code"] in ("serve_draining", "serve_stopping"), o.body
+    evs = state_events(d)
+    began = {e["unit"]: e["timestamp"] for e in evs if e["to"] == "stopping"}
+    done = {e["unit"]: e["timestamp"] for e in evs if e["to"] == "inactive"}
+    assert done["serve"] <= began["engine"] and done["engine"] <= min(began["worker@0"], began["worker@1"])
+    report("FM-28", accepted=len(accepted), lost=len(lost), refused=len(later),
+           draining_first=True)
+
+
+def test_fm28_without_a_drain_hook_accepted_requests_are_failed_fast_not_finished(stack_factory):
+    """The counterpart: the same stop with the serve's drain hook removed ends the accepted
+    requests with 503 serve_stopping (fail fast) - what the drain saves."""
+    s, d = stack_factory(overrides={"serve": {"drain": None}})
+    d.wait_all_active(120)
+    assert not any(line.startswith("drain =") for line in (s.dir / "serve.toml").read_text().splitlines())
+    ld = Load(s.serve_port, concurrency=6, work_ms=400).start()
+    try:
+        ld.wait_successes(6)
+        asked, _seen = _stop_under_load_watching_health(d, ld)
+    finally:
+        ld.stop()
+    assert d.wait_exit(60) == 0
+    with ld._lock:
+        in_flight = [o for o in ld.outcomes if o.started < asked < o.ended]
+    lost = [o for o in in_flight if not o.ok]
+    report("FM-28 (no drain hook)", in_flight=len(in_flight), lost=len(lost))
+    print(f"\nwithout a drain hook: {len(lost)} of {len(in_flight)} requests in flight failed at the stop")

@@ -184,7 +184,7 @@ def test_health_refuses_no_connection_while_the_daemon_re_executes(daemon_factor
 
 
 def test_reexec_while_a_unit_crash_loops_leaves_no_duplicate_and_verify_clean(daemon_factory):
-    crashy = 'exec = ["sh", "-c", "sleep 0.05; exit 3"]\nrestart = "always"\nrestart_sec = 0.05\nstart_limit_burst = 1000\n'
+    crashy = 'exec = ["sh", "-c", "sleep 0.05; exit 3"]\nrestart = "always"\nrestart_sec = 0.05\nrestart_max_sec = 0.2\nstart_limit_burst = 1000\n'
     d = daemon_factory(make_stack({"crashy": crashy, "steady": SLEEP}))
     wait_for(lambda: d.unit("crashy")["restarts"] >= 3, 20, "crashy crash-looping")
     steady = ids(d)["steady"]

@@ -218,3 +218,45 @@ def test_the_man_page_and_the_architecture_page_show_the_diagram_generated_from_
     arch = (REPO / "ARCHITECTURE.md").read_text()
     block = arch.split("<!-- lifecycle diagram: generated -->", 1)[1].split("```\n", 1)[1].split("\n```", 1)[0]
     assert block.splitlines() == lc.diagram()
+
+
+# ------------------------------------------------------------ events in, actions out (the supervisor's feed)
+def test_feed_moves_the_unit_keeps_its_cause_and_reason_and_hands_every_action_to_the_executor(tmp_path):
+    """No process: the executor is replaced by a recorder, so this checks `feed` alone --
+    the position, the epoch that voids older timers, the stop cause and the reason."""
+    import asyncio
+
+    from omnid.core.supervisor import Supervisor
+    from omnid.units import load_stack
+    from tests.harness import make_stack
+
+    async def main() -> None:
+        stack = load_stack(make_stack({"a": 'exec = ["sleep", "1"]\nrestart = "on-failure"\n'}))
+        sup = Supervisor(stack, spawner=None, token="t" * 16)  # type: ignore[arg-type]
+        ran: list[tuple[str, tuple]] = []
+        sup.executor.run = lambda rt, actions, ctx: ran.append((ctx.event.value, actions))  # type: ignore[method-assign]
+        sup.kick = lambda: None  # type: ignore[method-assign]
+        rt = sup.units["a"]
+        sup.feed(rt, E.START_REQUESTED)
+        assert (rt.state, rt.phase, rt.epoch) == (S.INACTIVE, P.SPAWNING, 1)
+        assert ran[-1] == ("start_requested", (CountStart(), Spawn()))
+        sup.feed(rt, E.SPAWNED, "starting")
+        assert (rt.state, rt.phase, rt.reason) == (S.STARTING, P.IDLE, "starting")
+        sup.feed(rt, E.READY, "started")
+        assert rt.state is S.ACTIVE and ran[-1][1] == (Publish(), StartMonitors())
+        sup.feed(rt, E.WATCHDOG_EXPIRED, "watchdog: no ping for 5.0 s")
+        assert (rt.state, rt.phase, rt.cause) == (S.STOPPING, P.SIGNALLED, Cause.FAILURE)
+        assert ran[-1][1][0] == RecordFailure() and Signal("stop_signal") in ran[-1][1]
+        epoch = rt.epoch
+        sup.feed(rt, E.STOP_TIMEOUT)
+        assert (rt.phase, rt.epoch) == (P.KILLED, epoch + 1), "a timer armed before this is void now"
+        sup.feed(rt, E.STOP_REQUESTED, "stopped by request")  # already stopping: changes nothing
+        assert rt.cause is Cause.FAILURE and rt.stop_reason == "watchdog: no ping for 5.0 s"
+        sup.feed(rt, E.GONE)
+        assert rt.state is S.FAILED and rt.reason == "watchdog: no ping for 5.0 s"
+        assert ran[-1][1] == (Release(), DecideRestart(), Publish())
+        n = len(ran)
+        sup.feed(rt, E.READY)  # illegal in failed: logged as a bug, nothing runs, nothing moves
+        assert len(ran) == n and rt.state is S.FAILED
+
+    asyncio.run(main())

@@ -152,6 +152,8 @@ class ControlServer:
                 continue
             if msg[:1] == b"\x01":
                 self.subscriptions += 1
+            if self.subscriptions % 64 == 0:
+                await asyncio.sleep(0)  # a burst of subscriptions cannot hold the loop
 
     def publish(self, event: dict) -> None:
         try:

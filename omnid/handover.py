@@ -56,8 +56,11 @@ class ProgramCheck:
 
 
 def program_argv() -> list[str]:
-    """How the omnid installed now is run: this interpreter, `-m omnid`."""
-    return [sys.executable, "-m", "omnid"]
+    """How the omnid installed now is run: this interpreter, `-m omnid`, found on the
+    interpreter's path (site-packages, an editable install, PYTHONPATH) -- never in the
+    daemon's working directory (`-P`): a root daemon started in a directory others can
+    write must not run an `omnid/` someone planted there."""
+    return [sys.executable, "-P", "-m", "omnid"]
 
 
 async def check_new_program(timeout: float = CHECK_TIMEOUT_S) -> ProgramCheck:

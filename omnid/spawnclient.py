@@ -150,7 +150,8 @@ class SpawnerClient:
         theirs.set_inheritable(True)
         env = dict(os.environ)
         env.pop("NOTIFY_SOCKET", None)
-        argv = [sys.executable, "-m", "omnid.spawner", str(theirs.fileno()), str(os.getpid())]
+        # -P: the spawner comes from the interpreter's path, never from the working directory.
+        argv = [sys.executable, "-P", "-m", "omnid.spawner", str(theirs.fileno()), str(os.getpid())]
         # Its own session: a SIGTERM or Ctrl+C to the daemon's process group must reach
         # the daemon only, which then stops the stack in order.
         self.pid = os.posix_spawn(sys.executable, argv, env, setsid=True)

@@ -249,7 +249,7 @@ def test_a_hundred_reexecs_in_a_row_grow_no_fd_thread_or_memory(daemon_factory):
 def test_a_new_program_that_does_not_start_is_refused_and_nothing_changes(daemon_factory):
     tree = temp_dir("omtree-")
     shutil.copytree(REPO / "omnid", tree / "omnid")
-    d = daemon_factory(make_stack({"a": SLEEP}), cwd=tree)
+    d = daemon_factory(make_stack({"a": SLEEP}), cwd=tree, env={"PYTHONPATH": str(tree)})
     d.wait_all_active()
     before = ids(d)
     (tree / "omnid" / "cli.py").write_text("raise SystemExit('broken upgrade')\n")
@@ -262,7 +262,7 @@ def test_a_new_program_that_does_not_start_is_refused_and_nothing_changes(daemon
 def test_reexec_runs_the_upgraded_program_and_reports_both_versions(daemon_factory):
     tree = temp_dir("omtree-")
     shutil.copytree(REPO / "omnid", tree / "omnid")
-    d = daemon_factory(make_stack({"a": SLEEP}), cwd=tree)
+    d = daemon_factory(make_stack({"a": SLEEP}), cwd=tree, env={"PYTHONPATH": str(tree)})
     d.wait_all_active()
     before = ids(d)
     old = d.ok("status")["daemon"]["version"]

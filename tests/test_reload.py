@@ -240,3 +240,30 @@ def test_reload_of_a_256_unit_stack_changing_one_unit_keeps_255_pids(daemon_fact
     changed = sorted(n for n in before if after.get(n) != before[n])
     assert changed == ["u100"], changed
     print(f"\nreload of a 256-unit stack changing one unit: {took:.2f} s (CLI, plan + apply)")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not __import__("omnid.cgroup", fromlist=["x"]).cgroup2_mounts(),
+                    reason="needs a writable cgroup v2 mount as root")
+def test_reload_under_the_cgroup_backend_moves_only_the_changed_units_cgroups(daemon_factory):
+    from omnid import cgroup as cgm
+    from tests.harness import remove_cgroup_tree
+
+    root = os.path.join(cgm.cgroup2_mounts()[0], f"omnid-rl-{os.getpid()}-{time.monotonic_ns()}")
+    d_dir = make_stack({"keep": SLEEP, "edit": SLEEP, "gone": SLEEP})
+    d = daemon_factory(d_dir, cgroup_root=root)
+    try:
+        d.wait_all_active()
+        before = ids(d)
+        write(d_dir, "edit", SLEEP.replace("1000", "1003"))
+        (d_dir / "gone.toml").unlink()
+        r = omnid(d, "reload")
+        assert r.returncode == 0, r.stdout + r.stderr + show(d)
+        after = ids(d)
+        assert after["keep"] == before["keep"] and after["edit"] != before["edit"] and "gone" not in after
+        for name in ("keep", "edit"):
+            cg = open(f"/proc/{after[name][0]}/cgroup").read().strip()
+            assert cg.endswith(f"/{name}"), cg
+        wait_for(lambda: not os.path.exists(os.path.join(root, "gone")), 10, "the removed unit's cgroup removed")
+    finally:
+        d.close()
+        remove_cgroup_tree(root)

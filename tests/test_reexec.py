@@ -231,12 +231,17 @@ def test_a_hundred_reexecs_in_a_row_grow_no_fd_thread_or_memory(daemon_factory):
     pid = d.pid
     r = reexec(d)  # the first program imported less (aiohttp loads lazily): compare from here
     assert r.returncode == 0, r.stdout + r.stderr
+    def settled() -> bool:  # the health API's import (in a thread) opens files for a moment
+        return d.http("/health/live")[0] == 200
+
+    wait_for(settled, 30, "the health API up")
     base = (fds_of(pid), threads_of(pid), rss_kib(pid))
     base_fds = fd_targets(pid)
     t0 = time.monotonic()
     for _ in range(100):
         reexec_over_the_socket(d)
     took = time.monotonic() - t0
+    wait_for(settled, 30, "the health API up")
     end = (fds_of(pid), threads_of(pid), rss_kib(pid))
     print(f"\n100 re-execs in {took:.1f} s ({took * 10:.0f} ms each, request to the new program answering); "
           f"fds {base[0]} -> {end[0]}, threads {base[1]} -> {end[1]}, RSS {base[2]} -> {end[2]} KiB")

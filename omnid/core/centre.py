@@ -24,6 +24,7 @@ class Centre(Protocol):
     gpu: Any  # omnid.gpu backend, or None
     cgroups: Any  # omnid.cgroup.CgroupRoot, or None
     shutting_down: bool
+    stack_signalled: bool
     by_pid: dict[int, tuple[UnitRuntime, ProcessHandle]]
     tier_orphans: list[int] | None
     executor: Any  # omnid.core.executor.Executor

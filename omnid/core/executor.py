@@ -236,6 +236,8 @@ class Executor:
             term.escalate()
         else:
             term.begin(sig, a.cont)
+        if self.sup.shutting_down:
+            self.sup.stack_signalled = True
 
     def _arm_timer(self, rt: UnitRuntime, a: ArmTimer, ctx: Ctx) -> None:
         spec = rt.spec

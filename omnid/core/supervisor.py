@@ -88,6 +88,7 @@ class Supervisor:
         self.invariant_violations: list[str] = []
         self.shutting_down = False
         self.draining_until = 0.0  # monotonic: the stack's drain_sec window before its first stop signal
+        self.stack_signalled = False  # the stack's stop sent its first stop signal (no longer "draining")
         self.started_at = time.time()
         self.gpu_mib: dict[str, float] = {}  # unit -> GPU memory of its processes (last GPU watch)
         self.degraded: dict[str, str] = {}  # unit -> why (gpu_min_free_mib)
@@ -162,9 +163,9 @@ class Supervisor:
                 self.executor.of(rt).stop_from = prev_state
             self.executor.left(rt, prev_state)
         if out.cause is not None:  # a stop begins (or changes why): the reason it ends with
-            rt.cause = out.cause
-            if prev_state is not S.STOPPING or event in (E.DEPENDENCY_DOWN, E.GROUP_DOWN):
+            if prev_state is not S.STOPPING or out.cause is not rt.cause:
                 rt.stop_reason = rt.last_exit_what if event is E.EXITED else detail
+            rt.cause = out.cause
         if prev_state is not out.state or event is E.SPAWN_FAILED:  # failed -> failed is a new failure
             rt.since = time.time()
             if out.state is not S.ACTIVE:
@@ -436,6 +437,8 @@ class Supervisor:
 
     def draining(self) -> bool:
         """/health says "draining": a unit is draining, or the stack's drain_sec window is open."""
+        if self.shutting_down and not self.stack_signalled:
+            return True  # a stop of the stack begins: draining until its first stop signal
         return time.monotonic() < self.draining_until or any(rt.phase is P.DRAINING for rt in self.units.values())
 
     def idle(self) -> bool:

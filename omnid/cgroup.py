@@ -585,6 +585,33 @@ def _in_cgroup(pid: int, path: str, mount_rel: str) -> bool:
     return False
 
 
+def _rel_path(path: str) -> str:
+    """The cgroup's path as /proc/PID/cgroup names it (relative to its cgroup2 mount)."""
+    mount = _mount_of(os.path.realpath(path)) or "/"
+    return "/" + os.path.relpath(os.path.realpath(path), mount)
+
+
+def _signal_members(path: str, rel: str, sig: int) -> None:
+    """`sig` to every process of the cgroup (and below): each through a pidfd, and only if
+    it is still in the cgroup once the pidfd pins it (then it is the one listed)."""
+    for pid in tree_procs(path):
+        fd = linux.pidfd_if(pid, lambda p=pid: _in_cgroup(p, path, rel))
+        if fd is not None:
+            try:
+                linux.pidfd_send_signal(fd, sig)
+            finally:
+                os.close(fd)
+
+
+def _survivors(path: str) -> list[Survivor]:
+    out = []
+    for pid in tree_procs(path):
+        st = linux.read_stat(pid)
+        if st is not None and st.state not in ("Z", "X"):
+            out.append(Survivor(pid, st.comm, st.state, "", f"pid {pid} ({st.comm}) in cgroup {path}", st.start_time))
+    return out
+
+
 class CgroupTarget:
     """omnid.termination's Target for a unit with a cgroup (systemd's KillMode=control-group):
     the signal goes to the main process, its group (as the process-group backend does) and
@@ -596,22 +623,14 @@ class CgroupTarget:
         self.h = h
         self.token = token
         self.cg = cg
-        mount = _mount_of(os.path.realpath(cg.path)) or "/"
-        self._rel = "/" + os.path.relpath(os.path.realpath(cg.path), mount)
+        self._rel = _rel_path(cg.path)
 
     def signal_all(self, sig: int) -> None:
         self.h.signal_group(sig, self.token)
         if sig == signal.SIGKILL:
             self.cg.kill()
             return
-        for pid in self.cg.pids():
-            # Still in the cgroup once pinned by its pidfd: it is the one listed.
-            fd = linux.pidfd_if(pid, lambda p=pid: _in_cgroup(p, self.cg.path, self._rel))
-            if fd is not None:
-                try:
-                    linux.pidfd_send_signal(fd, sig)
-                finally:
-                    os.close(fd)
+        _signal_members(self.cg.path, self._rel, sig)
 
     def kill_all(self) -> None:
         self.h.signal(signal.SIGKILL)
@@ -634,13 +653,7 @@ class CgroupTarget:
         return self.h.reaped.is_set() and not self.cg.populated()
 
     def members(self) -> list[Survivor]:
-        out = []
-        for pid in self.cg.pids():
-            st = linux.read_stat(pid)
-            if st is not None and st.state not in ("Z", "X"):
-                out.append(Survivor(pid, st.comm, st.state, "", f"pid {pid} ({st.comm}) in cgroup {self.cg.path}",
-                                    st.start_time))
-        return out
+        return _survivors(self.cg.path)
 
 
 class ResidueCgroupTarget:
@@ -657,15 +670,7 @@ class ResidueCgroupTarget:
         if sig == signal.SIGKILL:
             self.kill_all()
             return
-        mount = _mount_of(os.path.realpath(self.path)) or "/"
-        rel = "/" + os.path.relpath(os.path.realpath(self.path), mount)
-        for pid in tree_procs(self.path):
-            fd = linux.pidfd_if(pid, lambda p=pid: _in_cgroup(p, self.path, rel))
-            if fd is not None:
-                try:
-                    linux.pidfd_send_signal(fd, sig)
-                finally:
-                    os.close(fd)
+        _signal_members(self.path, _rel_path(self.path), sig)
 
     def kill_all(self) -> None:
         try:
@@ -680,13 +685,7 @@ class ResidueCgroupTarget:
         return await self.root.inotify.wait_empty(self.path, deadline)
 
     def members(self) -> list[Survivor]:
-        out = []
-        for pid in tree_procs(self.path):
-            st = linux.read_stat(pid)
-            if st is not None and st.state not in ("Z", "X"):
-                out.append(Survivor(pid, st.comm, st.state, "", f"pid {pid} ({st.comm}) in cgroup {self.path}",
-                                    st.start_time))
-        return out
+        return _survivors(self.path)
 
     def empty(self) -> bool:
         return not populated(self.path)

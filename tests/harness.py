@@ -242,6 +242,22 @@ class Daemon:
         except ValueError:
             return code, body.decode()
 
+    def reexec(self, timeout: float = 60.0) -> None:
+        """`reexec` over the control socket (no CLI process), until the new program answers.
+        The old program's socket is gone: a fresh DEALER reconnects to the new one."""
+        since = self.ok("reexec")["program_since"]
+
+        def answered() -> bool:
+            if self._sock is not None:
+                self._sock.close(0)
+                self._sock = None
+            try:
+                return self.ok("status", timeout=0.3)["daemon"]["program_since"] > since
+            except AssertionError:
+                return False
+
+        wait_for(answered, timeout, "the re-executed program to answer")
+
     def events_socket(self, live: bool = True, timeout: float = 5.0) -> zmq.Socket:
         """A subscription to the daemon's events; with `live`, returned only once the daemon
         has counted it (its subscription count went up): no event published after this

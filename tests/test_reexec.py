@@ -204,25 +204,6 @@ def test_reexec_while_a_unit_crash_loops_leaves_no_duplicate_and_verify_clean(da
     assert v["ok"] and not v["invariant_violations"], v
 
 
-def reexec_over_the_socket(d: Daemon, timeout: float = 30) -> None:
-    """The control command itself (no CLI process per round): until the new program answers."""
-    since = d.ok("reexec")["program_since"]
-    if d._sock is not None:  # the old program's socket is gone: a fresh DEALER reconnects
-        d._sock.close(0)
-        d._sock = None
-
-    def answered() -> bool:
-        try:
-            return d.ok("status", timeout=0.3)["daemon"]["program_since"] > since
-        except AssertionError:
-            if d._sock is not None:
-                d._sock.close(0)
-                d._sock = None
-            return False
-
-    wait_for(answered, timeout, "the re-executed program to answer")
-
-
 @pytest.mark.timeout(600)
 def test_a_hundred_reexecs_in_a_row_grow_no_fd_thread_or_memory(daemon_factory):
     d = daemon_factory(make_stack({"a": SLEEP + "instances = 4\n"}))
@@ -239,7 +220,7 @@ def test_a_hundred_reexecs_in_a_row_grow_no_fd_thread_or_memory(daemon_factory):
     base_fds = fd_targets(pid)
     t0 = time.monotonic()
     for _ in range(100):
-        reexec_over_the_socket(d)
+        d.reexec()
     took = time.monotonic() - t0
     wait_for(settled, 30, "the health API up")
     end = (fds_of(pid), threads_of(pid), rss_kib(pid))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omnid.cluster.settings import parse_cluster
 from omnid.unitmodel import DEFAULT_TITLE, DaemonSettings, Liveness, LogFormat, Ready, ReadyKind, RestartPolicy, TorchDistributed, UnitFileError
 from omnid.unitvalues import MAX_INSTANCES, _Invalid, _Table, _argv, _cgroup_amount, _choice, _describe, _env, _gpus, _group_name, _integer, _limits, _nonempty_string, _seconds, _string, _string_list, parse_host_port, parse_signal
 
@@ -29,7 +30,7 @@ TORCH_DISTRIBUTED_KEYS = ("master_addr", "master_port")
 # The restart policy of a worker group is one policy: every member must declare the same.
 GROUP_POLICY_KEYS = ("restart", "restart_sec", "restart_max_sec", "start_limit_burst", "start_limit_interval")
 LIVENESS_KEYS = ("http", "interval", "timeout", "failures")
-SETTINGS_KEYS = ("control", "state_dir", "health_listen", "log_format", "cgroup_root")
+SETTINGS_KEYS = ("control", "state_dir", "health_listen", "log_format", "cgroup_root", "cluster")
 
 
 @dataclass(frozen=True)
@@ -189,4 +190,5 @@ def _parse_settings(file: Path, raw: Mapping[str, Any], directory: Path, errors:
         health_listen=t.get("health_listen", None, listen),
         log_format=t.get("log_format", None, _choice(LogFormat)),
         cgroup_root=t.get("cgroup_root", None, path),
+        cluster=parse_cluster(file, raw["cluster"], directory, errors) if "cluster" in raw else None,
     )

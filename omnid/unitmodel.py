@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from omnid.cluster.settings import ClusterSettings
 
 
 
@@ -211,6 +214,7 @@ class DaemonSettings:
     health_listen: str | None = None  # "HOST:PORT", numeric host
     log_format: LogFormat | None = None
     cgroup_root: Path | None = None  # omnid.cgroup: a writable cgroup v2 directory for the units
+    cluster: "ClusterSettings | None" = None  # [cluster]: a stack across hosts (omnid.cluster)
 
 
 @dataclass(frozen=True, eq=False)

@@ -70,6 +70,17 @@ class Agent:
         self.members = []
         return pids
 
+    def dump_tasks(self) -> None:
+        """SIGUSR1: every asyncio task's stack on stderr (to see what a stuck agent waits for)."""
+        for task in asyncio.all_tasks():
+            coro = task.get_coro()
+            frames = []
+            while coro is not None and hasattr(coro, "cr_frame"):
+                if coro.cr_frame is not None:
+                    frames.append(f"{coro.cr_code.co_filename.rsplit('/', 2)[-1]}:{coro.cr_frame.f_lineno} {coro.cr_code.co_name}")
+                coro = coro.cr_await
+            print("task:", " -> ".join(frames) or repr(task), file=sys.stderr, flush=True)
+
     async def commands(self) -> None:
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
@@ -113,6 +124,7 @@ class Agent:
             emit(ev="refused", reason=str(exc))
             return 2
         emit(ev="open", t=time.time())
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, self.dump_tasks)
         reader = asyncio.get_running_loop().create_task(self.commands())
         try:
             while not self.quit:

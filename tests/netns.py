@@ -57,6 +57,8 @@ def unavailable() -> str | None:
 
 
 class Testbed:
+    __test__ = False  # not a test class: pytest must not collect it
+
     def __init__(self, hosts: list[str]) -> None:
         self.id = uuid.uuid4().hex[:6]
         self.hosts = list(hosts)

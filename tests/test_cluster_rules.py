@@ -158,15 +158,15 @@ def _view(heard_at: float, etcd_ok: bool) -> PeerView:
     (True, 9.9, _view(1.0, True), Action.DOWN),  # etcd fine, peer silent 9 s: hosts cannot talk
 ])
 def test_fencing_rule(etcd_ok, last_ok, peer, expect):
-    v = judge(host="a", peers={"b": peer}, now=10.0, etcd_ok=etcd_ok, last_ok_sent=last_ok, ttl=5, margin=1.25,
+    v = judge(peers={"b": peer}, now=10.0, etcd_ok=etcd_ok, last_ok_sent=last_ok, ttl=5, margin=1.25,
               peer_timeout=2.5, peer_down_after=7.5, running_since=0.0)
     assert v.action is expect, v
     if expect is Action.FENCE:
-        assert v.reason.startswith("a: cut off from etcd") and "lease (5 s)" in v.reason
+        assert v.reason.startswith("cut off from etcd") and "lease (5 s)" in v.reason
 
 
 def test_fencing_gives_a_new_generation_time_to_hear_its_peers():
-    v = judge(host="a", peers={"b": None}, now=10.0, etcd_ok=True, last_ok_sent=9.9, ttl=5, margin=1.25,
+    v = judge(peers={"b": None}, now=10.0, etcd_ok=True, last_ok_sent=9.9, ttl=5, margin=1.25,
               peer_timeout=2.5, peer_down_after=7.5, running_since=9.0)
     assert v.action is Action.RUN
 

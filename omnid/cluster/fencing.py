@@ -12,6 +12,9 @@ what this host knows (omnid(8), CLUSTER: "Fencing" and "When etcd is down"):
 - otherwise (a peer unheard, or a peer that reaches etcd while we do not): this host is the
   one cut off, and the others will give the generation up when its lease expires. Fence:
   stop the members now, before that moment.
+- (in omnid.cluster.group) after etcd was down for everyone, the first peer to reach it again
+  does not make the others fence at once: a restarted etcd renews every lease, so each host
+  gets a lease's time from that moment to reconnect, and fences only if it cannot.
 
 The trade-off: the direct signal is only as good as the hosts' own network. A host that
 hears its peers but not etcd, while they do not hear etcd either, runs on for as long as
@@ -43,7 +46,7 @@ class Verdict:
     reason: str = ""
 
 
-def judge(*, host: str, peers: Mapping[str, PeerView | None], now: float, etcd_ok: bool, last_ok_sent: float,
+def judge(*, peers: Mapping[str, PeerView | None], now: float, etcd_ok: bool, last_ok_sent: float,
           ttl: float, margin: float, peer_timeout: float, peer_down_after: float, running_since: float) -> Verdict:
     """`peers`: each peer host's last heartbeat (None: none yet). `last_ok_sent`: when the last
     keepalive that etcd answered was sent (the lease expires no earlier than that plus `ttl`).
@@ -55,7 +58,7 @@ def judge(*, host: str, peers: Mapping[str, PeerView | None], now: float, etcd_o
     if etcd_ok:
         lost = [p for p, v in peers.items() if silent_for(v) > peer_down_after]
         if lost:
-            return Verdict(Action.DOWN, f"{host}: no heartbeat from {', '.join(sorted(lost))} for "
+            return Verdict(Action.DOWN, f"no heartbeat from {', '.join(sorted(lost))} for "
                                         f"{peer_down_after:g} s while etcd answers: the hosts cannot reach each "
                                         "other (UDP peer_port)")
         return Verdict(Action.RUN)
@@ -72,5 +75,5 @@ def judge(*, host: str, peers: Mapping[str, PeerView | None], now: float, etcd_o
         why = f"while {', '.join(with_etcd)} {'reaches' if len(with_etcd) == 1 else 'reach'} it"
     else:
         why = f"and from {', '.join(unheard)}"
-    return Verdict(Action.FENCE, f"{host}: cut off from etcd for {silent:.1f} s {why}; fenced before its "
+    return Verdict(Action.FENCE, f"cut off from etcd for {silent:.1f} s {why}; fenced before its "
                                  f"lease ({ttl:g} s) could expire")

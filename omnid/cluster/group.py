@@ -108,6 +108,8 @@ class ClusterGroup:
         self._pending: set[asyncio.Task] = set()
         self._wake = asyncio.Event()
         self._hold_logged = False
+        self._held = False  # during this etcd outage, etcd was down for every host of the group
+        self._grace_from = -1e18
         self.counters = {"generations": 0, "fenced": 0, "down": 0}
         session.register(self)
 
@@ -132,11 +134,10 @@ class ClusterGroup:
                 self.session.hostile.ignored(self.session.keys.join(self.name, self.generation, host),
                                              f"a join by {host}, which its own group_hosts does not list")
             elif rec.hosts != self.hosts:
-                return (f"worker group {self.name}: group_hosts differ between hosts: {me} has "
-                        f"[{', '.join(self.hosts)}], {host} has [{', '.join(rec.hosts)}]")
+                return (f"group_hosts differ between hosts: {me} has [{', '.join(self.hosts)}], "
+                        f"{host} has [{', '.join(rec.hosts)}]")
             elif rec.local_size != self.local_size:
-                return (f"worker group {self.name}: member counts differ between hosts: {me} has "
-                        f"{self.local_size}, {host} has {rec.local_size}")
+                return f"member counts differ between hosts: {me} has {self.local_size}, {host} has {rec.local_size}"
         return None
 
     def running_generation(self) -> int:
@@ -179,10 +180,10 @@ class ClusterGroup:
                 return gen
         finally:
             if joined:  # cancelled, or refused, after our join key was written and before the start
-                self.phase = Phase.REFUSED if self.phase is Phase.REFUSED else Phase.IDLE
                 self._last = max(self._last, joined)
-                self._record_down(joined, DownRecord(self.session.host, self.reason or
-                                                     f"left before generation {joined} started"))
+                if self.phase is not Phase.REFUSED:  # (a refusal recorded itself)
+                    self.phase = Phase.IDLE
+                    self._record_down(joined, DownRecord(self.session.host, f"left before generation {joined} started"))
 
     async def _put_join(self) -> int:
         """One attempt: our join key in the generation to join; its number, or 0 when we lost a race."""
@@ -198,7 +199,10 @@ class ClusterGroup:
         record = join_value(JoinRecord(self.hosts, self.local_size, s.settings.address, s.boot))
         self._lease = s.lease_id
         if fresh and any(h != me for h in joins):  # others wait in n: join them
-            r = await s.link.txn([E.mod_revision_is(s.keys.current(self.name), rev), E.absent(s.keys.down(self.name, n))],
+            # "not down": no down key, or the hostile one we ignored (compared by its revision)
+            down = s.entry(s.keys.down(self.name, n))
+            r = await s.link.txn([E.mod_revision_is(s.keys.current(self.name), rev),
+                                  E.mod_revision_is(s.keys.down(self.name, n), down.mod_revision if down else 0)],
                                  [E.put(s.keys.join(self.name, n, me), record, s.lease_id)])
             return n if r.succeeded else 0
         target = max(n, self._last) + 1
@@ -218,6 +222,8 @@ class ClusterGroup:
                 self.reason = f"worker group {self.name} generation {n}: this host's etcd lease expired while joining"
                 return None
             down = self._down_record(n)
+            if down is not None and down.final:  # another host refused the group, or gave up for good
+                self._refuse(n, f"{down.host}: {down.reason}", record=False)
             if down is not None:
                 self.reason = f"worker group {self.name} generation {n} is down: {down.host}: {down.reason}"
                 return None
@@ -237,10 +243,13 @@ class ClusterGroup:
                            + (f" ({', '.join(away)}: no omnid running there)" if away else ""))
             await self._sleep(None)
 
-    def _refuse(self, n: int, problem: str) -> None:
-        self.phase, self.reason = Phase.REFUSED, problem
-        log.error("cross-host group refused", group=self.name, generation=n, reason=problem)
-        raise GroupRefused(problem)
+    def _refuse(self, n: int, problem: str, record: bool = True) -> None:
+        """The hosts disagree: refuse here, and (as a final down record of n) on every host."""
+        self.phase, self.reason = Phase.REFUSED, f"worker group {self.name}: {problem}"
+        log.error("cross-host group refused", group=self.name, generation=n, reason=self.reason)
+        if record:
+            self._record_down(n, DownRecord(self.session.host, problem, final=True))
+        raise GroupRefused(self.reason)
 
     async def _sleep(self, timeout: float | None) -> None:
         self._wake.clear()
@@ -290,7 +299,8 @@ class ClusterGroup:
     def lease_lost(self) -> None:
         self._wake.set()
         if self.phase is Phase.RUNNING:
-            self._down(f"{self.session.host}: this host's etcd lease expired", None)
+            what = "its etcd lease expired"
+            self._down(f"{self.session.host}: {what}", DownRecord(self.session.host, what), tell_peers=True)
 
     def remote_down(self, notice: DownNotice) -> None:
         if notice.host not in self.hosts:
@@ -306,14 +316,31 @@ class ClusterGroup:
         if self.phase is not Phase.RUNNING:
             return
         s = self.session
-        verdict = judge(host=s.host, peers={p: s.peers.views.get(p) for p in self.hosts if p != s.host}, now=now,
-                        etcd_ok=s.etcd_ok, last_ok_sent=s.last_ok_sent, ttl=s.ttl, margin=s.margin,
-                        peer_timeout=s.peer_timeout, peer_down_after=1.5 * s.ttl, running_since=self._since)
+        if s.etcd_ok:
+            self._held, self._grace_from = False, -1e18
+        views = {p: s.peers.views.get(p) for p in self.hosts if p != s.host}
+
+        def verdict_from(last_ok: float):
+            return judge(peers=views, now=now, etcd_ok=s.etcd_ok, last_ok_sent=last_ok, ttl=s.ttl,
+                         margin=s.margin, peer_timeout=s.peer_timeout, peer_down_after=1.5 * s.ttl,
+                         running_since=self._since)
+
+        verdict = verdict_from(max(s.last_ok_sent, self._grace_from))
+        if verdict.action is Action.FENCE and self._held and self._grace_from < 0:
+            # etcd was down for every host, and is back for a peer first: a restarted etcd
+            # renews every lease, so ours runs from now, not from our last keepalive. Reconnect
+            # within a lease, or fence then.
+            self._grace_from = now
+            s.link.reset("a peer reaches etcd again")
+            verdict = verdict_from(now)
+        if verdict.action is Action.HOLD:
+            self._held = True
         if verdict.action is Action.FENCE:
             self.counters["fenced"] += 1
-            self._down(verdict.reason, DownRecord(s.host, verdict.reason), fenced=True, kill_by=s.last_ok_sent + s.ttl)
+            self._down(f"{s.host}: {verdict.reason}", DownRecord(s.host, verdict.reason), fenced=True,
+                       kill_by=max(s.last_ok_sent, self._grace_from) + s.ttl)
         elif verdict.action is Action.DOWN:
-            self._down(verdict.reason, DownRecord(s.host, verdict.reason), tell_peers=True)
+            self._down(f"{s.host}: {verdict.reason}", DownRecord(s.host, verdict.reason), tell_peers=True)
         elif verdict.action is Action.HOLD and not self._hold_logged:
             self._hold_logged = True
             log.warning("etcd is down for every host of the group; its generation runs on", group=self.name,
@@ -352,9 +379,14 @@ class ClusterGroup:
         s = self.session
         key = s.keys.down(self.name, n)
         while s.current(self.name)[0] <= n + 1:
-            try:
-                await s.link.txn([E.absent(key)], [E.put(key, down_value(record))])
-                return
+            e = s.entry(key)
+            if e is not None and isinstance(e.value, DownRecord):
+                return  # the first cause is recorded already
+            try:  # created once; a hostile value there (ignored) is replaced
+                r = await s.link.txn([E.mod_revision_is(key, e.mod_revision if e else 0)], [E.put(key, down_value(record))])
+                if r.succeeded:
+                    return
+                await asyncio.sleep(0.05)  # it changed meanwhile: look again once the watch brings it
             except EtcdError:
                 await asyncio.sleep(s.keepalive_every)
 

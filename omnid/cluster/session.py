@@ -315,7 +315,7 @@ class ClusterSession:
             for name in self.groups:
                 ops.append(E.get(self.keys.current(name)))
                 n = currents.get(name, 0)
-                ops.extend(E.get_prefix(self.keys.generation(name, g)) for g in (n, n + 1) if g >= 1)
+                ops.extend(E.get_prefix(self.keys.generation(name, g)) for g in (n - 1, n, n + 1) if g >= 1)
             r = await self.link.txn([], ops)
             self.mirror = {}
             for kv in r.kvs:  # in request order: each group's current before its generations

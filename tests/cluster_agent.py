@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import structlog
 
@@ -42,9 +43,9 @@ def emit(**event) -> None:
 class Agent:
     def __init__(self, args: argparse.Namespace) -> None:
         host, port = args.etcd.rsplit("//", 1)[1].rsplit(":", 1)
-        self.settings = ClusterSettings(endpoints=(Endpoint(host, int(port)),), tls=False, host=args.host,
-                                        address=args.address, lease_ttl=args.ttl, prefix=args.prefix,
-                                        peer_port=args.peer_port)
+        self.settings = ClusterSettings(endpoints=(Endpoint(host, int(port)),), tls=args.etcd.startswith("https:"),
+                                        host=args.host, address=args.address, lease_ttl=args.ttl, prefix=args.prefix,
+                                        peer_port=args.peer_port, ca=args.ca, cert=args.cert, key=args.key)
         self.args = args
         self.members: list[subprocess.Popen] = []
         self.gen = None
@@ -175,6 +176,8 @@ def main() -> int:
     p.add_argument("--ttl", type=int, default=3)
     p.add_argument("--local", type=int, default=2)
     p.add_argument("--peer-port", type=int, default=9322)
+    for flag in ("--ca", "--cert", "--key"):
+        p.add_argument(flag, type=Path, default=None)
     args = p.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
                         logger_factory=structlog.PrintLoggerFactory(sys.stderr))

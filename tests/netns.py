@@ -46,8 +46,8 @@ def unavailable() -> str | None:
         return "network namespaces need root"
     if shutil.which("ip") is None:
         return "iproute2 (ip) is not installed"
-    if shutil.which("etcd") is None:
-        return "etcd is not installed (Debian: apt-get install etcd-server)"
+    if shutil.which("etcd") is None or shutil.which("etcdctl") is None:
+        return "etcd and etcdctl are not installed (Debian: apt-get install etcd-server etcd-client)"
     probe = f"omprobe-{uuid.uuid4().hex[:6]}"
     r = _ip("netns", "add", probe, check=False)
     if r.returncode != 0:
@@ -126,7 +126,8 @@ class Testbed:
             ["ip", "netns", "exec", self.etcd_ns, "etcd", "--name", "e", "--data-dir", str(data),
              "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
              "--listen-peer-urls", "http://127.0.0.1:2380", "--initial-advertise-peer-urls", "http://127.0.0.1:2380",
-             "--initial-cluster", "e=http://127.0.0.1:2380", "--log-level", "warn", "--logger", "zap"],
+             "--initial-cluster", "e=http://127.0.0.1:2380", "--log-level", "warn", "--logger", "zap",
+             *self._etcd_tls_flags()],
             stdin=subprocess.DEVNULL, stdout=self._etcd_log, stderr=self._etcd_log)
         # "ready to serve client requests" is logged at info; ask for health instead.
         wait_for(lambda: self.etcd.poll() is not None or self._etcd_healthy(), 30,
@@ -134,14 +135,26 @@ class Testbed:
         if self.etcd.poll() is not None:
             raise RuntimeError(f"etcd exited with {self.etcd.returncode}: {self.etcd_log(start)[-2000:]}")
 
+    def _etcd_tls_flags(self) -> list[str]:
+        t = getattr(self, "_tls", None)
+        if not t:
+            return []
+        return ["--cert-file", str(t["server_cert"]), "--key-file", str(t["server_key"]), "--client-cert-auth",
+                "--trusted-ca-file", str(t["ca"])]
+
+    def _etcdctl_tls(self) -> list[str]:
+        t = getattr(self, "_tls", None)
+        return ["--cacert", str(t["ca"]), "--cert", str(t["cert"]), "--key", str(t["key"])] if t else []
+
     def _etcd_healthy(self) -> bool:
         r = subprocess.run(["ip", "netns", "exec", self.etcd_ns, "etcdctl", "--endpoints", self.etcd_url,
-                            "--command-timeout=1s", "endpoint", "health"],
+                            *self._etcdctl_tls(), "--command-timeout=1s", "endpoint", "health"],
                            capture_output=True, text=True, env=dict(os.environ, ETCDCTL_API="3"), timeout=10)
         return r.returncode == 0
 
     def etcdctl(self, *args: str, stdin: bytes | None = None) -> str:
-        r = subprocess.run(["ip", "netns", "exec", self.etcd_ns, "etcdctl", "--endpoints", self.etcd_url, *args],
+        r = subprocess.run(["ip", "netns", "exec", self.etcd_ns, "etcdctl", "--endpoints", self.etcd_url,
+                            *self._etcdctl_tls(), *args],
                            capture_output=True, input=stdin, env=dict(os.environ, ETCDCTL_API="3"), timeout=20)
         if r.returncode != 0:
             raise RuntimeError(f"etcdctl {' '.join(args)}: {r.stderr.decode(errors='replace').strip()}")
@@ -152,6 +165,33 @@ class Testbed:
             return (self.workdir / "etcd.log").read_bytes()[start:].decode(errors="replace")
         except OSError:
             return ""
+
+    def make_tls(self) -> dict[str, Path]:
+        """A CA, a server certificate for the etcd address and a client certificate (openssl)."""
+        d = self.workdir / "tls"
+        d.mkdir(exist_ok=True)
+        def run(*args: str) -> None:
+            r = subprocess.run(["openssl", *args], capture_output=True, text=True, cwd=d, timeout=60)
+            if r.returncode != 0:
+                raise RuntimeError(f"openssl {' '.join(args)}: {r.stderr.strip()}")
+        ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=omnid-test-ca")
+        (d / "ext").write_text(f"subjectAltName=IP:{ETCD_ADDR}\nextendedKeyUsage=serverAuth,clientAuth\n")
+        for name in ("server", "client"):
+            run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+            run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{name}.pem", "-days", "2", "-extfile", "ext")
+        for f in d.iterdir():
+            os.chmod(f, 0o600)
+        return {"ca": d / "ca.pem", "cert": d / "client.pem", "key": d / "client.key",
+                "server_cert": d / "server.pem", "server_key": d / "server.key"}
+
+    def restart_etcd_with_tls(self, tls: dict[str, Path]) -> None:
+        """etcd again, on https:// with client certificates required."""
+        self.kill_etcd()
+        self.etcd_url = f"https://{ETCD_ADDR}:{ETCD_PORT}"
+        self._tls = tls
+        self.start_etcd()
 
     def kill_etcd(self) -> None:
         if self.etcd is not None and self.etcd.poll() is None:
@@ -189,7 +229,8 @@ class HostAgent:
     """tests/cluster_agent.py running in one host's namespace; its events collected by a thread."""
 
     def __init__(self, bed: Testbed, host: str, *, hosts: list[str], local: int = 2, ttl: int = 3,
-                 group: str = "tp", prefix: str | None = None) -> None:
+                 group: str = "tp", prefix: str | None = None, tls: dict[str, Path] | None = None,
+                 peer_port: int = 9322) -> None:
         import sys
         import threading
 
@@ -203,7 +244,8 @@ class HostAgent:
         self.proc = bed.popen(host, [sys.executable, "-m", "tests.cluster_agent", "--host", host,
                                      "--address", bed.address[host], "--etcd", bed.etcd_url, "--prefix", self.prefix,
                                      "--group", group, "--hosts", ",".join(hosts), "--local", str(local),
-                                     "--ttl", str(ttl)],
+                                     "--ttl", str(ttl), "--peer-port", str(peer_port),
+                                     *[f"--{k}={tls[k]}" for k in ("ca", "cert", "key") if tls and k in tls]],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, cwd=str(REPO),
                               env=dict(os.environ, PYTHONPATH=repo_pythonpath(), PYTHONUNBUFFERED="1"))
         self._lock = threading.Lock()

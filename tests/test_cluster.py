@@ -11,6 +11,7 @@ measured ones are in bench/cluster.py.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -275,3 +276,19 @@ def _agent_named(bed: Testbed, ns_host: str, name: str) -> HostAgent:
     finally:
         bed.ns[name], bed.address[name] = real_ns, real_addr
     return ag
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="making test certificates needs openssl")
+def test_cluster_over_tls_with_client_certificates(bed):
+    tls = bed.make_tls()
+    bed.restart_etcd_with_tls(tls)
+    a, b = agent(bed, "a", tls=tls), agent(bed, "b", tls=tls)
+    both_running(a, b, 1)
+    # without a client certificate etcd refuses the connection: named, and nothing starts
+    anon = HostAgent(bed, "a", hosts=["a", "c"], group="other", tls={"ca": tls["ca"]},
+                     prefix=f"/omnid/anon{bed.id}", peer_port=9323)
+    bed.agents.append(anon)
+    st = wait_for(lambda: (s := anon.status())["session"]["etcd"] != "ok" and "etcd does not answer" in anon.log()
+                  and s, 20, "the agent without a client certificate to say etcd does not answer")
+    assert not anon.find("running"), anon.events
+    assert f"etcd {bed.etcd_url.split('//')[1]}" in anon.log(), anon.log()

@@ -369,9 +369,8 @@ class CgroupRoot:
         """The cgroup of a new instance of unit: made empty, limits written, before the spawn."""
         path = os.path.join(self.path, escape(unit))
         if os.path.isdir(path) and populated(path):
-            # The previous instance's residue (its stop could not wait): it belongs to this unit.
-            _write(os.path.join(path, "cgroup.kill"), "1")
-            log.warning("killed residue in a unit's cgroup before its restart", unit=unit, cgroup=path)
+            # The previous instance's residue must be killed first (residue() + terminate).
+            raise OSError(errno.EBUSY, f"cgroup {path} still holds pids {tree_procs(path)}")
         try:
             os.mkdir(path)
         except FileExistsError:
@@ -408,18 +407,25 @@ class CgroupRoot:
         return out
 
     def clean_stale(self, timeout: float = 5.0) -> list[str]:
-        """Kill (cgroup.kill) and remove a previous daemon's cgroups. They are ours by path:
-        the root is omnid's. Returns what could not be removed, described."""
+        """Kill and remove a previous daemon's cgroups (at daemon start, before the loop runs),
+        through the one kill policy. They are ours by path: the root is omnid's. Returns what
+        could not be removed, described."""
+        from omnid.termination import terminate
+
         left = []
         for p in self.stale():
-            pids = tree_procs(p)
-            if pids:
-                _write(os.path.join(p, "cgroup.kill"), "1")
-                log.warning("killed a previous daemon's unit cgroup", cgroup=p, pids=pids)
-            ok = self.inotify.wait_empty_sync(p, time.monotonic() + timeout) and _rmtree(p)
-            if not ok:
+            if populated(p):
+                log.warning("killing a previous daemon's unit cgroup", cgroup=p, pids=tree_procs(p))
+                asyncio.run(terminate(ResidueCgroupTarget(self, p), signal.SIGKILL, timeout, 0.0, send_cont=False))
+            if populated(p) or not _rmtree(p):
                 left.append(f"{p} (pids {tree_procs(p)})")
         return left
+
+    def residue(self, unit: str) -> ResidueCgroupTarget | None:
+        """What still runs in a unit's cgroup before its next start (an unkillable previous
+        instance), as a Target for the kill policy; None when it is empty or absent."""
+        path = os.path.join(self.path, escape(unit))
+        return ResidueCgroupTarget(self, path) if os.path.isdir(path) and populated(path) else None
 
     def metrics_lines(self, lbl) -> list[str]:
         """Prometheus lines for every unit cgroup's figures (health.py's /metrics)."""
@@ -584,16 +590,13 @@ class CgroupTarget:
             self.cg.kill()
             return
         for pid in self.cg.pids():
-            try:
-                fd = os.pidfd_open(pid)
-            except (ProcessLookupError, OSError):
-                continue
-            try:
-                # The pidfd pins the process: still in the cgroup now means it is the one listed.
-                if _in_cgroup(pid, self.cg.path, self._rel):
+            # Still in the cgroup once pinned by its pidfd: it is the one listed.
+            fd = linux.pidfd_if(pid, lambda p=pid: _in_cgroup(p, self.cg.path, self._rel))
+            if fd is not None:
+                try:
                     linux.pidfd_send_signal(fd, sig)
-            finally:
-                os.close(fd)
+                finally:
+                    os.close(fd)
 
     def kill_all(self) -> None:
         self.h.signal(signal.SIGKILL)
@@ -612,6 +615,9 @@ class CgroupTarget:
         self.cg.root.release(self.name)
         return True
 
+    def empty(self) -> bool:
+        return self.h.reaped.is_set() and not self.cg.populated()
+
     def members(self) -> list[Survivor]:
         out = []
         for pid in self.cg.pids():
@@ -622,6 +628,55 @@ class CgroupTarget:
         return out
 
 
+class ResidueCgroupTarget:
+    """omnid.termination's Target for a cgroup with no main process of ours: a previous
+    daemon's unit cgroup, or what an unkillable instance left. Everything in it is
+    ours by path (the root is omnid's); kill_all is `cgroup.kill`."""
+
+    def __init__(self, root: CgroupRoot, path: str) -> None:
+        self.root = root
+        self.path = path
+        self.name = f"cgroup {path}"
+
+    def signal_all(self, sig: int) -> None:
+        if sig == signal.SIGKILL:
+            self.kill_all()
+            return
+        mount = _mount_of(os.path.realpath(self.path)) or "/"
+        rel = "/" + os.path.relpath(os.path.realpath(self.path), mount)
+        for pid in tree_procs(self.path):
+            fd = linux.pidfd_if(pid, lambda p=pid: _in_cgroup(p, self.path, rel))
+            if fd is not None:
+                try:
+                    linux.pidfd_send_signal(fd, sig)
+                finally:
+                    os.close(fd)
+
+    def kill_all(self) -> None:
+        try:
+            _write(os.path.join(self.path, "cgroup.kill"), "1")
+        except FileNotFoundError:
+            pass
+
+    def main_gone(self) -> bool:
+        return not populated(self.path)
+
+    async def wait_gone(self, deadline: float) -> bool:
+        return await self.root.inotify.wait_empty(self.path, deadline)
+
+    def members(self) -> list[Survivor]:
+        out = []
+        for pid in tree_procs(self.path):
+            st = linux.read_stat(pid)
+            if st is not None and st.state not in ("Z", "X"):
+                out.append(Survivor(pid, st.comm, st.state, "", f"pid {pid} ({st.comm}) in cgroup {self.path}",
+                                    st.start_time))
+        return out
+
+    def empty(self) -> bool:
+        return not populated(self.path)
+
+
 # --------------------------------------------------------------------- daemon hooks
 
 
@@ -630,6 +685,21 @@ def backend(root: CgroupRoot | None) -> dict:
     if root is None:
         return {"backend": "process-group", "cgroup": None}
     return {"backend": "cgroup", "cgroup": root.path}
+
+
+def check_stack_keys(root: CgroupRoot | None, stack) -> None:
+    """memory_max / tasks_max that this root (or no root) cannot honour: CgroupError naming
+    every unit and key (at daemon start, and for `omnid reload` of an edited stack)."""
+    errs = []
+    for name, spec in sorted(stack.units.items()):
+        keys = {k: getattr(spec, k, None) for k in KEY_CONTROLLER}
+        if root is None:
+            errs += [f"unit {name}: {k}: needs a cgroup v2 root (--cgroup-root, cgroup_root in omnid.toml or "
+                     f"systemd Delegate=yes); omnid runs with process groups here" for k, v in keys.items() if v is not None]
+        else:
+            errs += root.check_keys(name, keys)
+    if errs:
+        raise CgroupError("; ".join(errs))
 
 
 def start(explicit: str | None, origin: str, stack) -> CgroupRoot | None:
@@ -643,18 +713,12 @@ def start(explicit: str | None, origin: str, stack) -> CgroupRoot | None:
         root = discover(explicit, source or "")
     except CgroupError as exc:
         raise CgroupError(f"{source}: {exc}") from None
-    errs = []
-    for name, spec in sorted(stack.units.items()):
-        keys = {k: getattr(spec, k, None) for k in KEY_CONTROLLER}
-        if root is None:
-            errs += [f"unit {name}: {k}: needs a cgroup v2 root (--cgroup-root, cgroup_root in omnid.toml or "
-                     f"systemd Delegate=yes); omnid runs with process groups here" for k, v in keys.items() if v is not None]
-        else:
-            errs += root.check_keys(name, keys)
-    if errs:
+    try:
+        check_stack_keys(root, stack)
+    except CgroupError:
         if root is not None:
             root.close()
-        raise CgroupError("; ".join(errs))
+        raise
     if root is not None:
         left = root.clean_stale()
         if left:

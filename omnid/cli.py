@@ -1,4 +1,4 @@
-"""The `omnid` command line (DESIGN.md "Command line", omnid(8)): the commands and
+"""The `omnid` command line (omnid(8)): the commands and
 the parser. Talking to the daemon lives in omnid.client, what is printed in
 omnid.render, where settings come from in omnid.settings.
 
@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from omnid.client import EXIT_FAILED, EXIT_NO_DAEMON, EXIT_OK, EXIT_USAGE, CliError, Client, subscribe
-from omnid.render import (format_event, format_log_line, log_line_json, print_summary, print_unit_detail,
+from omnid.render import (format_event, format_log_line, log_line_json, print_reload_plan, print_summary,
+                          print_unit_detail,
                           print_units)
 
 DAEMON_LOG_MAX = 8 << 20  # bytes; daemon.log is rotated to daemon.log.1 beyond this
@@ -299,6 +300,26 @@ def cmd_restart(a: argparse.Namespace) -> int:
     return EXIT_OK if result["ok"] else EXIT_FAILED
 
 
+def cmd_reload(a: argparse.Namespace) -> int:
+    """Print the plan (a dry run), then apply it and wait like `restart`."""
+    client = Client(control_of(a))
+    plan = client.call("reload", {"dry_run": True}, timeout=60)
+    print_reload_plan(plan)
+    if a.dry_run:
+        return EXIT_OK
+    if not (plan["added"] or plan["removed"] or plan["restarted"] or plan["updated"]):
+        return EXIT_OK
+    result = client.call("reload", {"timeout": a.timeout}, timeout=2 * a.timeout + 10)
+    if {k: result[k] for k in ("added", "removed", "restarted", "updated")} != \
+            {k: plan[k] for k in ("added", "removed", "restarted", "updated")}:
+        print("omnid: the stack directory changed after the plan above; applied instead:")
+        print_reload_plan(result)
+    if result.get("units"):
+        print()
+        print_units(result["units"])
+    return EXIT_OK if result.get("ok", True) else EXIT_FAILED
+
+
 def cmd_status(a: argparse.Namespace) -> int:
     client = Client(control_of(a))
     args: dict = {"verify": a.verify}
@@ -306,7 +327,7 @@ def cmd_status(a: argparse.Namespace) -> int:
         args["units"] = a.unit_names
     result = client.call("status", args, timeout=10)
     if a.json:
-        out = {"units": result["units"]}
+        out = {"units": result["units"], "daemon": result.get("daemon", {})}
         if a.verify:
             out["verify"] = result["verify"]
         print(json.dumps(out, indent=2))
@@ -419,12 +440,9 @@ def cmd_logs(a: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- parser
 def _version() -> str:
-    try:
-        from importlib.metadata import version
+    from omnid.version import version
 
-        return version("omnid")
-    except Exception:  # noqa: BLE001 - not installed: a checkout on PYTHONPATH
-        return "0.1.0 (not installed)"
+    return version()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -480,6 +498,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("unit_names", nargs="+", metavar="UNIT", help="units to restart")
     timeout_arg(r, 600, "the units to be back")
     r.set_defaults(func=cmd_restart)
+
+    rl = sub.add_parser("reload", help="re-read the stack directory and apply only what changed (SIGHUP too)")
+    rl.add_argument("--dry-run", action="store_true", help="print the plan and change nothing")
+    timeout_arg(rl, 600, "the changed units to be back")
+    rl.set_defaults(func=cmd_reload)
 
     stat = sub.add_parser("status", help="show units; with UNIT, one unit in detail and its last log lines")
     stat.add_argument("unit_names", nargs="*", metavar="UNIT", help="units to show in detail")

@@ -56,7 +56,8 @@ class Client:
                     continue
                 if not reply.get("ok"):
                     err = reply.get("error") or {}
-                    code = EXIT_USAGE if err.get("code") in ("unknown_unit", "bad_request") else EXIT_FAILED
+                    code = EXIT_USAGE if err.get("code") in ("unknown_unit", "bad_request", "invalid_stack") \
+                        else EXIT_FAILED
                     raise CliError(err.get("message") or "the daemon refused the request", code)
                 return reply.get("result")
             if not os.path.exists(self.control):

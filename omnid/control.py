@@ -1,4 +1,4 @@
-"""Control socket (ZeroMQ ROUTER) and event stream (PUB) (DESIGN.md "Control protocol").
+"""Control socket (ZeroMQ ROUTER) and event stream (PUB) (omnid-control(7)).
 
 Request  {"id": any, "cmd": str, "args": {...}}
 Reply    {"id": same, "ok": true, "result": ...}
@@ -111,14 +111,19 @@ class ControlServer:
         # libzmq drops a peer that sends more than this: the "dropped connection" answer.
         self.router.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST + 4096)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.pub = ctx.socket(zmq.PUB)
+        # XPUB: like PUB, and it hands the daemon every subscription, so `status` can say how
+        # many were made (a client's proof that its subscription is live: ZeroMQ's slow joiner).
+        self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 10000)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.subscriptions = 0  # subscribe messages received on the event socket
         # Publishing never waits (NOBLOCK, drop at the high-water mark): a plain socket
         # sharing the same libzmq socket skips the asyncio wrapper's per-send overhead.
         self._pub_now = zmq.Socket.shadow(self.pub.underlying)
         self._tasks: set[asyncio.Task] = set()
         self._reader: asyncio.Task | None = None
+        self._subs: asyncio.Task | None = None
 
     def bind(self) -> None:
         old = os.umask(0o077)
@@ -130,6 +135,23 @@ class ControlServer:
 
     def start(self) -> None:
         self._reader = asyncio.get_running_loop().create_task(self._serve())
+        if self._subs is None or self._subs.done():
+            self._subs = asyncio.get_running_loop().create_task(self._count_subscriptions())
+
+    async def _count_subscriptions(self) -> None:
+        """Subscriptions arrive once the publisher has applied them: count them. Unsubscribe
+        messages (first byte 0) and anything else are read and dropped."""
+        while True:
+            try:
+                msg = await self.pub.recv()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                log.warning("event socket receive failed", error=str(exc))
+                await asyncio.sleep(0.1)
+                continue
+            if msg[:1] == b"\x01":
+                self.subscriptions += 1
 
     def publish(self, event: dict) -> None:
         try:
@@ -198,6 +220,8 @@ class ControlServer:
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
+        if self._subs is not None:
+            self._subs.cancel()
         for t in list(self._tasks):
             t.cancel()
         self.router.close(linger=0)

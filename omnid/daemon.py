@@ -1,5 +1,5 @@
 """`omnid daemon`: wires spawner, supervisor, control socket, health HTTP and the
-notify socket together on one asyncio loop (DESIGN.md Part 1, "Processes").
+notify socket together on one asyncio loop (ARCHITECTURE.md, "Processes").
 
 Order matters: the spawner is started by exec before the first ZeroMQ socket
 exists (from then on the daemon has native threads and never forks). Signal
@@ -25,26 +25,23 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from omnid import linux, logconfig, output, settings
+from omnid import cgroup as cgroup_mod
+from omnid import linux, logconfig, settings, startup
 from omnid.control import ControlError, ControlServer, prepare_socket_dir
+from omnid.core.supervisor import Supervisor
+from omnid.handlers import ControlHandlers
 from omnid.metrics import DaemonMetrics
 from omnid.notify import NotifyServer
-from omnid.systemd import ServiceNotifier
 from omnid.ownership import UnsafePath, check_private_dir, raise_nofile_limit
-from omnid.process import DAEMON_TAG, UNIT_TAG
 from omnid.spawnclient import SpawnerClient, SpawnerGone
-from omnid.states import UnitState as S
 from omnid.statefile import StateFile, find_leftovers, kill_leftovers
-from omnid import cgroup as cgroup_mod
-from omnid.supervisor import StopRecord, Supervisor, UnitNotFound
+from omnid.systemd import ServiceNotifier
 from omnid.tasks import DaemonTask, report_crash
-from omnid.units import InvalidValue, Stack, StackInvalid, check_stack, load_stack, parse_signal
+from omnid.units import Stack, StackInvalid, load_stack
 
 log = structlog.get_logger("omnid.daemon")
 
 DEFAULT_HEALTH = settings.DEFAULT_HEALTH
-CHECK_TIMEOUT_S = 30.0  # the `check` request (omnid-control(7))
-MAX_TIMEOUT_S = 86400.0  # a control request's "timeout": at most a day (omnid-control(7))
 
 
 def bind_listener(listen: str) -> socket.socket:
@@ -95,7 +92,8 @@ class Daemon:
         self._gpu_task: DaemonTask | None = None
         self._control_reader: DaemonTask | None = None
         self._health_task: asyncio.Task | None = None
-        self._senders: dict[int, tuple[str | None, float]] = {}  # notify sender pid -> (unit, valid until)
+        self.reexecs = 0  # how many times this daemon replaced its own program (omnid reexec)
+        self.handlers: ControlHandlers | None = None
 
     # -- callbacks --------------------------------------------------------------
     def _publish(self, ev: dict) -> None:
@@ -138,202 +136,11 @@ class Daemon:
         except OSError as exc:
             log.error("cannot write the state file", path=str(self.state.path), error=str(exc))
 
-    # -- control handlers (dispatch by name: handle_<cmd>) ---------------------------
-    def _units_arg(self, args: dict) -> list[str] | None:
-        units = args.get("units")
-        if units is None:
-            return None
-        if not isinstance(units, list) or not all(isinstance(x, str) and x for x in units):
-            raise ControlError("bad_request", "\"units\" must be a list of unit names")
-        return units or None
+    def identity(self) -> dict:
+        """What `status --json` says of the daemon program itself."""
+        from omnid.version import version
 
-    def _timeout_arg(self, args: dict) -> float | None:
-        t = args.get("timeout")
-        if t is None:
-            return None
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) \
-                or t <= 0 or t > MAX_TIMEOUT_S:
-            raise ControlError("bad_request", f"\"timeout\" must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}, "
-                                              f"got {str(t)[:60]!r}")
-        return float(t)
-
-    def _known(self, names: list[str] | None) -> None:
-        assert self.sup is not None
-        if names:
-            try:
-                self.sup.expand(names)
-            except UnitNotFound as exc:
-                raise ControlError("unknown_unit", f"no unit named {exc.args[0]!r} in {self.cfg.units_dir}; "
-                                                   f"units: {', '.join(self.sup.order)}") from None
-
-    async def handle_status(self, args: dict) -> dict:
-        assert self.sup is not None
-        names = self._units_arg(args)
-        self._known(names)
-        wanted = set(self.sup.expand(names, whole_groups=False)) if names else None
-        units = [s for s in self.sup.snapshot() if wanted is None or s["name"] in wanted]
-        output.add_counters(units, self.sup.units)  # operators (#12): what a flooding unit cost
-        out: dict = {"units": units, "daemon": {"pid": os.getpid(), "spawner_pid": self.spawner.pid,
-                                               "units_dir": self.cfg.units_dir, "since": self.sup.started_at,
-                                               "shutting_down": self.sup.shutting_down,
-                                               **cgroup_mod.backend(self.cgroups),  # cgroup hook
-                                               "notify": dict(self.notify.counters) if self.notify else {}}}
-        if args.get("verify"):
-            problems = self.sup.verify()
-            if problems:
-                # The kernel may be a few ms ahead of the loop (a death not yet processed): look again.
-                await asyncio.sleep(0.1)
-                problems = self.sup.verify()
-            out["verify"] = {"ok": not problems, "problems": problems,
-                             "invariant_violations": list(self.sup.invariant_violations)}
-        return out
-
-    async def handle_start(self, args: dict) -> dict:
-        assert self.sup is not None
-        if self.sup.shutting_down:
-            raise ControlError("shutting_down", "the daemon is stopping; start it again afterwards")
-        names = self._units_arg(args)
-        self._known(names)
-        units = await self.sup.start_units(names, self._timeout_arg(args))
-        ok = all(u["state"] == "active" for u in units)
-        return {"ok": ok, "units": units}
-
-    async def handle_stop(self, args: dict) -> dict:
-        assert self.sup is not None
-        names = self._units_arg(args)
-        if names is None:
-            raise ControlError("bad_request", "stop needs \"units\"; to stop the whole stack use \"shutdown\"")
-        self._known(names)
-        recs = await self.sup.stop_units(names, self._timeout_arg(args))
-        return {"summary": [r.to_json() for r in recs], "units": self.sup.snapshot()}
-
-    async def handle_restart(self, args: dict) -> dict:
-        assert self.sup is not None
-        names = self._units_arg(args)
-        if names is None:
-            raise ControlError("bad_request", "restart needs \"units\"")
-        self._known(names)
-        units = await self.sup.restart_units(names, self._timeout_arg(args))
-        return {"ok": all(u["state"] == "active" for u in units), "units": units}
-
-    async def handle_kill(self, args: dict) -> dict:
-        assert self.sup is not None
-        unit = args.get("unit")
-        if not isinstance(unit, str) or not unit:
-            raise ControlError("bad_request", "kill needs \"unit\": a unit name")
-        self._known([unit])
-        raw = args.get("signal", "SIGTERM")
-        if isinstance(raw, int) and not isinstance(raw, bool):
-            # omnid-control(7): a name or a number. Any signal the kernel knows, 0 excluded.
-            if not 1 <= raw <= signal.SIGRTMAX:
-                raise ControlError("bad_request", f"bad \"signal\": {raw} is not a signal number "
-                                                  f"(1 to {int(signal.SIGRTMAX)})")
-            sig = raw
-        else:
-            try:
-                sig = int(parse_signal(raw))
-            except InvalidValue as exc:
-                raise ControlError("bad_request", f"bad \"signal\": {exc}") from None
-        hit = self.sup.kill_unit(unit, sig)
-        if not hit:
-            raise ControlError("not_running", f"unit {unit!r} has no running process to signal")
-        return {"signalled": hit, "signal": linux.signal_name(sig)}
-
-    async def handle_logs(self, args: dict) -> dict:
-        assert self.sup is not None
-        unit = args.get("unit")
-        if not isinstance(unit, str) or not unit:
-            raise ControlError("bad_request", "logs needs \"unit\": a unit name")
-        self._known([unit])
-        n = args.get("n", 50)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ControlError("bad_request", f"\"n\" must be a non-negative integer, got {n!r}")
-        return {name: self.sup.units[name].output.tail(n) for name in self.sup.expand([unit], whole_groups=False)}  # type: ignore[union-attr]
-
-    async def handle_shutdown(self, args: dict) -> dict:
-        assert self.shutdown_requested is not None and self.shutdown_result is not None
-        self.shutdown_requested.set()
-        recs: list[StopRecord] = await asyncio.shield(self.shutdown_result)
-        return {"summary": [r.to_json() for r in recs]}
-
-    async def handle_check(self, args: dict) -> dict:
-        directory = args.get("units_dir") or self.cfg.units_dir
-        if not isinstance(directory, str):
-            raise ControlError("bad_request", "\"units_dir\" must be a path")
-        # Off the loop (a big stack takes seconds to read) and bounded: /health and deaths
-        # keep their milliseconds while it runs.
-        try:
-            errors = await asyncio.wait_for(asyncio.to_thread(check_stack, directory), CHECK_TIMEOUT_S)
-        except TimeoutError:
-            raise ControlError("timeout", f"checking {directory} took more than {CHECK_TIMEOUT_S:g} s") from None
-        return {"ok": not errors, "units_dir": directory, "errors": [str(e) for e in errors]}
-
-    async def handle_wait(self, args: dict) -> dict:
-        """Wait (up to "timeout") for the daemon's first start of the stack to settle, without
-        starting anything: `omnid start` launching a fresh daemon uses it, so a unit that
-        failed with restart = "no" runs once."""
-        assert self.sup is not None and self.settled is not None
-        timeout = self._timeout_arg(args)
-        assert self.shutdown_requested is not None
-        waits = [asyncio.ensure_future(self.settled.wait()), asyncio.ensure_future(self.shutdown_requested.wait())]
-        try:
-            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
-        if self.shutdown_requested.is_set() and not self.settled.is_set():
-            raise ControlError("shutting_down", "the daemon is stopping (see its log for why)")
-        units = self.sup.snapshot()
-        return {"ok": self.settled.is_set() and all(u["state"] == "active" for u in units),
-                "settled": self.settled.is_set(), "units": units}
-
-    # -- systemd ------------------------------------------------------------------
-    def _stack_settled(self) -> bool:
-        assert self.sup is not None
-        sup = self.sup
-        for u in sup.units.values():
-            if u.op is not None:
-                return False
-            if u.state is S.ACTIVE or (u.state is S.FAILED and not u.restart_pending):
-                continue
-            if u.state is S.INACTIVE and sup._stuck(u):
-                continue
-            return False
-        return True
-
-    def _progress(self) -> str:
-        assert self.sup is not None
-        units = self.sup.units.values()
-        active = sum(1 for u in units if u.state is S.ACTIVE)
-        failed = sorted(u.name for u in units if u.state is S.FAILED)
-        starting = sorted(u.name for u in units if u.state is S.STARTING)
-        text = f"{active}/{len(self.sup.units)} units active"
-        if starting:
-            text += f", starting: {', '.join(starting[:5])}" + (" ..." if len(starting) > 5 else "")
-        if failed:
-            text += f", failed: {', '.join(failed[:5])}" + (" ..." if len(failed) > 5 else "")
-        return text
-
-    async def _watch_startup(self) -> None:
-        """STATUS= lines while the stack comes up, EXTEND_TIMEOUT_USEC while units are
-        still starting (a slow model load), then READY=1 once it has settled."""
-        assert self.sup is not None and self.settled is not None and self.shutdown_requested is not None
-        last = ""
-        while not self.shutdown_requested.is_set():
-            if await self.sup.wait_until(self._stack_settled, 1.0):
-                break
-            text = self._progress()
-            if text != last:
-                self.service.status(f"starting: {text}")
-                last = text
-            if any(u.state is S.STARTING for u in self.sup.units.values()):
-                self.service.send("EXTEND_TIMEOUT_USEC=3000000")
-        if self.shutdown_requested.is_set():
-            return
-        self.settled.set()
-        text = self._progress()
-        self.service.send("READY=1", f"STATUS=ready: {text}")
-        log.info("stack settled", status=text)
+        return {"version": version(), "reexecs": self.reexecs}
 
     # -- life ---------------------------------------------------------------------
     async def run(self) -> int:
@@ -343,6 +150,9 @@ class Daemon:
         self.settled = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        # SIGHUP = `omnid reload` (systemd's ExecReload=): never the default, which would kill
+        # the daemon and, with it, every unit.
+        loop.add_signal_handler(signal.SIGHUP, self._on_hup)
         await self.spawner.attach()
         self.notify = NotifyServer(self.token, self._on_notify, attribute=self._notify_sender)
         self.notify.start()
@@ -357,8 +167,8 @@ class Daemon:
                               on_pids_changed=self._schedule_state_write,
                               check_invariants=os.environ.get("OMNID_CHECK_INVARIANTS") == "1",
                               gpu=self.gpu, cgroups=self.cgroups)
-        handlers = {name[len("handle_"):]: getattr(self, name) for name in dir(self) if name.startswith("handle_")}
-        self.control = ControlServer(ctx, self.cfg.control, handlers)
+        self.handlers = ControlHandlers(self)
+        self.control = ControlServer(ctx, self.cfg.control, self.handlers.table())
         self.control.bind()
         # Daemon-wide tasks are supervised: a crash is logged and the task restarted.
         self._control_reader = DaemonTask("control reader", self._start_control_reader).start()
@@ -378,11 +188,12 @@ class Daemon:
                  health=self.cfg.health_listen, units=len(self.sup.units), spawner_pid=self.spawner.pid)
         startup_task = None
         if health_sock is not None:
-            self.service.status(f"starting: {self._progress()}")
+            self.service.status(f"starting: {startup.progress(self.sup)}")
             self.service.start_watchdog()
-            self.sup._kick()
+            self.sup.kick()
             self._health_task = report_crash(loop.create_task(self._start_health(health_sock)), "health API start")
-            startup_task = loop.create_task(self._watch_startup())
+            startup_task = loop.create_task(startup.watch(self.sup, self.service, self.settled,
+                                                          self.shutdown_requested))
             startup_task.add_done_callback(self._report_task)
         await self.shutdown_requested.wait()
         self.service.send("STOPPING=1", "STATUS=stopping the stack")
@@ -396,7 +207,7 @@ class Daemon:
             except Exception:  # noqa: BLE001 - already logged by _report_task
                 pass
         t0 = time.monotonic()
-        recs = await self.sup.shutdown()
+        recs = await self.sup.requests.shutdown()
         self.shutdown_result.set_result(recs)
         left = [p for p in linux.children_of(self.spawner.pid)
                 if (st := linux.read_stat(p)) is not None and st.state not in ("Z", "X")]
@@ -463,6 +274,20 @@ class Daemon:
         if not task.cancelled() and task.exception() is not None:
             log.error("daemon task failed", task=task.get_coro().__qualname__, error=repr(task.exception()))
 
+    def _on_hup(self) -> None:
+        log.info("SIGHUP: reloading the stack directory", units_dir=self.cfg.units_dir)
+        report_crash(asyncio.get_running_loop().create_task(self._reload_on_hup()), "reload on SIGHUP")
+
+    async def _reload_on_hup(self) -> None:
+        assert self.handlers is not None
+        try:
+            result = await self.handlers.handle_reload({})
+        except ControlError as exc:
+            log.error("reload refused", code=exc.code, reason=exc.message)
+            return
+        log.info("reload done", added=result["added"], removed=result["removed"], restarted=result["restarted"],
+                 updated=result["updated"], settings=result["settings"], ok=result.get("ok", True))
+
     def _on_signal(self, sig: int) -> None:
         assert self.shutdown_requested is not None
         if self.shutdown_requested.is_set():
@@ -472,48 +297,19 @@ class Daemon:
         self.shutdown_requested.set()
 
     def _notify_sender(self, pid: int) -> str | None:
-        """The unit whose own process sent a notify datagram (by process group or session,
-        as the supervisor attributes it), or None: anyone else's message is dropped."""
-        if self.sup is None:
-            return None
-        now = time.monotonic()
-        hit = self._senders.get(pid)
-        if hit is not None and hit[1] > now:
-            return hit[0]  # a flood costs one /proc read per sender per second, not per datagram
-        unit = self._attribute_sender(pid)
-        if len(self._senders) > 4096:
-            self._senders.clear()
-        self._senders[pid] = (unit, now + 1.0)
-        return unit
-
-    def _attribute_sender(self, pid: int) -> str | None:
-        assert self.sup is not None
-        st = linux.read_stat(pid)
-        if st is None:
-            return None
-        pending = False
-        for u in self.sup.units.values():
-            if u.proc is not None:
-                if u.proc.pgid in (st.pgid, st.sid):
-                    return u.name
-            elif u.op_kind == "start":
-                pending = True
-        if pending:
-            # READY=1 can come before the spawner's reply: the environment proves it ours.
-            tag = linux.read_environ_var(pid, UNIT_TAG)
-            if tag in self.sup.units and linux.read_environ_var(pid, DAEMON_TAG) == self.token:
-                return tag
-        return None
+        return self.sup.monitors.sender_unit(pid) if self.sup is not None else None
 
     def _on_notify(self, pid: int, fields: dict[str, str]) -> None:
         if self.sup is not None:
-            self.sup.on_notify(pid, fields)
+            self.sup.monitors.on_notify(pid, fields)
 
 
 def run(units_dir: str | None, control: str | None, state_dir: str | None, health_listen: str | None,
         log_format: str | None, log_file: str | None = None,
         cgroup_root: str | None = None) -> int:
     """The `omnid daemon` command. Returns the process exit code."""
+    # SIGHUP means reload once the loop runs; before that, it must not kill the daemon.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     udir = os.path.abspath(units_dir or default_units_dir())
     try:
         stack = load_stack(udir)

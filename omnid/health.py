@@ -1,5 +1,5 @@
 """Read-only health HTTP API (aiohttp) for load balancers and Prometheus
-(DESIGN.md "Health HTTP"). Every answer is computed from the supervisor's state
+(omnid-control(7), HEALTH HTTP). Every answer is computed from the supervisor's state
 at request time, so a death shows as 503 as soon as the pidfd fired."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from aiohttp import web
 from omnid.output import add_counters
 from omnid.process import tree_usage
 from omnid.cgroup import backend as cgroup_backend
-from omnid.supervisor import Supervisor, Unit
-from omnid.states import UnitState
+from omnid.core.lifecycle import UnitState
+from omnid.core.runtime import UnitRuntime as Unit
+from omnid.core.supervisor import Supervisor
 
 log = structlog.get_logger("omnid.health")
 S = UnitState

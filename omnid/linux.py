@@ -1,4 +1,4 @@
-"""Linux process primitives: prctl, pidfds, /proc reads (DESIGN.md Part 1, "Tracking").
+"""Linux process primitives: prctl, pidfds, /proc reads (ARCHITECTURE.md, "Processes and how they are held").
 
 Everything kernel-specific that the daemon and the spawner share lives here, so
 the rest of omnid speaks of processes, not of syscalls. The spawner imports this
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable
 import signal
 from typing import NamedTuple
 
@@ -39,6 +40,44 @@ def set_child_subreaper() -> None:
 
 def pidfd_open(pid: int) -> int:
     return os.pidfd_open(pid)
+
+
+def pidfd_if(pid: int, proof: Callable[[], bool]) -> int | None:
+    """A pidfd for `pid` if `proof()` holds once it is open, else None. The pidfd pins the
+    process (its pid cannot be recycled while the fd is held), so a proof read from /proc
+    after the open is about this very process; signals through the fd can never reach a
+    stranger. The one way omnid turns a pid it read somewhere into something it signals.
+    The caller closes the fd."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:  # ProcessLookupError: gone already; EMFILE and friends: cannot hold it
+        return None
+    try:
+        ok = proof()
+    except Exception:
+        os.close(fd)
+        raise
+    if not ok:
+        os.close(fd)
+        return None
+    return fd
+
+
+def open_checked_pidfd(pid: int, start_time: int) -> int | None:
+    """A pidfd for `pid` if it is still the process that started at `start_time` (pid +
+    start time name a process uniquely)."""
+    return pidfd_if(pid, lambda: start_time_of(pid) == start_time)
+
+
+def signal_checked(pid: int, start_time: int, sig: int) -> bool:
+    """Signal a process named by pid + start time, through a checked pidfd."""
+    fd = open_checked_pidfd(pid, start_time)
+    if fd is None:
+        return False
+    try:
+        return pidfd_send_signal(fd, sig)
+    finally:
+        os.close(fd)
 
 
 def pidfd_send_signal(pidfd: int, sig: int) -> bool:

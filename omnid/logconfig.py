@@ -1,4 +1,4 @@
-"""structlog set-up: JSON lines for machines, console for people (DESIGN.md "Dependencies").
+"""structlog set-up: JSON lines for machines, console for people (ARCHITECTURE.md, "Dependencies").
 
 With ``log_file`` (``omnid daemon --log-file``, set by ``omnid start``) the daemon's
 stderr is that file, and it is rotated by size: beyond ``max_bytes`` it becomes

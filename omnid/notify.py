@@ -1,4 +1,4 @@
-"""NOTIFY_SOCKET receiver: the sd_notify protocol (DESIGN.md "The child's environment").
+"""NOTIFY_SOCKET receiver: the sd_notify protocol (omnid.unit(5), ENVIRONMENT OF A UNIT).
 
 One AF_UNIX datagram socket per daemon, in the abstract namespace. SO_PASSCRED
 makes the kernel attach the sender's pid to each message, which is how a

@@ -1,5 +1,5 @@
 """`omnid check`'s host checks: what a valid stack still needs from the host it runs
-on (DESIGN.md "Command line"). A unit file can be perfect and fail at its first
+on (omnid(8)). A unit file can be perfect and fail at its first
 start because its executable is not installed, its user or group does not exist,
 or its working directory is missing: say so before starting.
 

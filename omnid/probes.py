@@ -1,5 +1,5 @@
 """Readiness and liveness probes: HTTP GET and TCP connect, each bounded in time
-(DESIGN.md unit keys `ready` and `liveness`). Plain asyncio streams: no client
+(omnid.unit(5), keys `ready` and `liveness`). Plain asyncio streams: no client
 library threads, no resolver thread (numeric hosts are used as given)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Process handles and residue scans (DESIGN.md Part 1, "Tracking and signalling").
+"""Process handles and residue scans (ARCHITECTURE.md, "Processes and how they are held").
 
 A unit's main process is never a bare pid: `ProcessHandle` carries pid, pidfd,
 process group and start time together, so nothing can signal a recycled pid.
@@ -69,6 +69,23 @@ class ProcessHandle:
     reaped: asyncio.Event = field(default_factory=asyncio.Event)
     # Set when the pidfd turned readable (the process exited; maybe not yet reaped).
     exited: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def to_json(self) -> dict:
+        """The numbers that name the process (the pidfd as its fd number: kept open across
+        the daemon's re-exec)."""
+        return {"pid": self.pid, "pidfd": self.pidfd, "pgid": self.pgid, "start_time": self.start_time,
+                "exit_status": self.exit_status}
+
+    @classmethod
+    def from_json(cls, unit: str, d: dict) -> ProcessHandle:
+        for k in ("pid", "pidfd", "pgid", "start_time"):
+            if not isinstance(d[k], int) or isinstance(d[k], bool) or d[k] < 0:
+                raise ValueError(f"{unit}: process field {k!r} is not a number: {d[k]!r}")
+        status = d["exit_status"]
+        if status is not None and (not isinstance(status, int) or isinstance(status, bool)):
+            raise ValueError(f"{unit}: exit_status is not a number: {status!r}")
+        return cls(unit=unit, pid=d["pid"], pidfd=d["pidfd"], pgid=d["pgid"], start_time=d["start_time"],
+                   exit_status=status)
 
     def signal(self, sig: int) -> bool:
         """Signal the main process through its pidfd; False if it has exited."""
@@ -215,12 +232,4 @@ def kill_survivors(survivors: list[Survivor], sig: int = signal.SIGKILL) -> None
     """Kill residue found by find_residue, each through a pidfd opened and then
     checked against the start time we saw, so a recycled pid is never hit."""
     for s in survivors:
-        try:
-            pidfd = os.pidfd_open(s.pid)
-        except ProcessLookupError:
-            continue
-        try:
-            if linux.start_time_of(s.pid) == s.start_time:
-                linux.pidfd_send_signal(pidfd, sig)
-        finally:
-            os.close(pidfd)
+        linux.signal_checked(s.pid, s.start_time, sig)

@@ -177,3 +177,23 @@ def format_event(ev: dict) -> str:
     pid = f" pid {ev['pid']}" if ev.get("pid") else ""
     reason = f" — {ev['reason']}" if ev.get("reason") else ""
     return f"{ts} {ev.get('unit')}{pid}: {ev.get('from')} -> {ev.get('to')}{reason}"
+
+
+def print_reload_plan(plan: dict) -> None:
+    """`omnid reload`: what changes, unit by unit, and which keys made it change."""
+    changes = plan.get("changes", {})
+    rows = [("added", plan.get("added", [])), ("removed", plan.get("removed", [])),
+            ("restarted", plan.get("restarted", [])), ("updated", plan.get("updated", []))]
+    if not any(names for _, names in rows):
+        print(f"reload: nothing changed ({len(plan.get('unchanged', []))} units unchanged)")
+    for what, names in rows:
+        for n in names:
+            keys = changes.get(n)
+            print(f"{what:<10} {n}" + (f"  ({', '.join(keys)})" if keys else ""))
+            note = plan.get("notes", {}).get(n)
+            if note:
+                print(f"{'':<10}   note: {note}")
+    if any(names for _, names in rows):
+        print(f"{'unchanged':<10} {len(plan.get('unchanged', []))} units")
+    for st in plan.get("settings", []):
+        print(f"setting    {st['key']}: {st['from']} -> {st['to']}: {st['applies']}")

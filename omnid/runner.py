@@ -1,4 +1,4 @@
-"""Title runner for Python units (DESIGN.md unit key `title`).
+"""Title runner for Python units (omnid.unit(5), key `title`).
 
 Run as a *script* by the unit's own interpreter (which may not have omnid
 installed): `python /path/to/runner.py TITLE -m MODULE ARGS...` or

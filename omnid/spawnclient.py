@@ -46,7 +46,12 @@ class Spawned:
 
 
 class SpawnError(Exception):
-    """The child could not be started; the message says which step and why."""
+    """The child could not be started; the message says which step and why; `errno` is
+    exec(2)'s error number when it was exec that failed (else None)."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,7 @@ class SpawnedMsg:
 class SpawnFailedMsg:
     id: int
     error: str
+    errno: int = 0  # exec(2)'s errno when exec failed, else 0
 
 
 SpawnerMessage = Hello | SpawnedMsg | SpawnFailedMsg | ExitReport
@@ -92,7 +98,7 @@ SpawnerMessage = Hello | SpawnedMsg | SpawnFailedMsg | ExitReport
 _FIELDS: dict[str, tuple[type, tuple[tuple[str, type], ...]]] = {
     "hello": (Hello, (("pid", int),)),
     "spawned": (SpawnedMsg, (("id", int), ("pid", int), ("start_time", int))),
-    "spawn_failed": (SpawnFailedMsg, (("id", int), ("error", str))),
+    "spawn_failed": (SpawnFailedMsg, (("id", int), ("error", str), ("errno", int))),
     "exit": (ExitReport, (("pid", int), ("status", int), ("adopted", bool))),
 }
 
@@ -234,7 +240,7 @@ class SpawnerClient:
         elif isinstance(msg, SpawnFailedMsg):
             fut = self._pending.pop(msg.id, None)
             if fut is not None and not fut.done():
-                fut.set_exception(SpawnError(msg.error))
+                fut.set_exception(SpawnError(msg.error, msg.errno or None))
         elif isinstance(msg, Hello):
             if self._hello is not None and not self._hello.done():
                 self._hello.set_result(msg.pid)

@@ -1,4 +1,4 @@
-"""The spawner: the only process of omnid that forks (DESIGN.md Part 1, "Processes").
+"""The spawner: the only process of omnid that forks (ARCHITECTURE.md, "Processes").
 
 The daemon has threads (libzmq, aiohttp), and forking a threaded process copies
 locks held by threads that do not exist in the child. So the daemon starts this
@@ -13,7 +13,7 @@ Protocol, one JSON object per datagram, fds by SCM_RIGHTS:
                       "group", "rlimits", "cgroup"} + [output pipe write end]
                      {"op": "shutdown"}
   spawner -> daemon  {"op": "spawned", "id", "pid", "start_time"} + [pidfd]
-                     {"op": "spawn_failed", "id", "error"}
+                     {"op": "spawn_failed", "id", "error", "errno"}
                      {"op": "exit", "pid", "status", "adopted"}
 
 Run as: python -m omnid.spawner FD DAEMON_PID
@@ -112,8 +112,11 @@ def _child_setup_and_exec(req: dict, out_fd: int, errout_fd: int, err_w: int, sp
         detail = str(exc)
         if stage == "exec" and isinstance(exc, OSError) and exc.filename is None:
             detail = f"{exc}: {req['argv'][0]!r}"
+        # First line: the errno of a failed exec(2) (the restart policy tells a missing
+        # program from a passing fault by it), or 0; then the text for people.
+        code = exc.errno if stage == "exec" and isinstance(exc, OSError) and exc.errno else 0
         try:
-            os.write(err_w, f"{stage} failed: {detail}".encode()[:4000])
+            os.write(err_w, f"{code}\n{stage} failed: {detail}".encode()[:4000])
         finally:
             os._exit(127)
 
@@ -176,7 +179,7 @@ class Spawner:
             os.close(out_fd)
             if errout_fd != out_fd:
                 os.close(errout_fd)
-            self.send({"op": "spawn_failed", "id": req["id"], "error": f"fork failed: {exc}"})
+            self.send({"op": "spawn_failed", "id": req["id"], "error": f"fork failed: {exc}", "errno": 0})
             return
         if pid == 0:
             _child_setup_and_exec(req, out_fd, errout_fd, err_w, self.pid)
@@ -212,8 +215,9 @@ class Spawner:
         if launch.error:
             os.close(launch.pidfd)
             # It never became a unit process: its exit (127) is reported as adopted.
-            self.send({"op": "spawn_failed", "id": launch.rid, "pid": pid,
-                       "error": launch.error.decode(errors="replace")})
+            code, _, text = launch.error.decode(errors="replace").partition("\n")
+            self.send({"op": "spawn_failed", "id": launch.rid, "pid": pid, "error": text,
+                       "errno": int(code) if code.isdigit() else 0})
             adopted = True
         else:
             self.units[pid] = launch.unit

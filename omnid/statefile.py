@@ -1,4 +1,4 @@
-"""The daemon's state file: which processes it started (DESIGN.md "Stopping a stack":
+"""The daemon's state file: which processes it started (ARCHITECTURE.md, "Stopping":
 a restarted daemon kills any leftover of the previous instance it can prove is its own).
 
 Proof of ownership: a recorded pid whose start time still matches, or a live

@@ -1,12 +1,16 @@
 """The one termination policy (after trio's single kill policy): first signal,
 wait `stop_timeout`, SIGKILL, wait `kill_timeout`, sweep what escaped, report
-what could not be killed. Operator stop, failure, daemon shutdown and leftover
-cleanup all run `terminate`; the spawner's own cleanup follows the same order.
+what could not be killed. Every kill of a unit, a leftover of a previous daemon
+or a stale cgroup goes through a `Target` and the steps of `Termination`:
 
-What is terminated is a `Target`: today a process group proven ours by its
-leader's pidfd (`ProcessGroupTarget`) or a list of proven leftovers
-(`LeftoverTarget`); a cgroup v2 backend plugs in by implementing the same five
-methods (signal_all / kill_all / main_gone / wait_gone / members).
+- the lifecycle table drives a unit's stop step by step (omnid.core: the first
+  signal, the stop_timeout timer, SIGKILL, the kill_timeout timer, gone);
+- `terminate` runs the same steps in a line, for whatever is not a unit.
+
+A `Target` is everything that belongs to one thing, as far as the kernel can
+prove it: a process group proven ours by its leader's pidfd
+(`ProcessGroupTarget`), a unit's cgroup (omnid.cgroup.CgroupTarget), a list of
+proven leftovers (`LeftoverTarget`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from omnid.process import ProcessHandle, Survivor, find_residue, group_alive, ki
 log = structlog.get_logger("omnid.termination")
 
 POLL_S = 0.005
+UNBOUNDED_S = 1e9  # "no deadline" for wait_gone, whose caller bounds it another way
 
 
 @dataclass
@@ -50,6 +55,14 @@ class StopRecord:
                 "residue": list(self.residue), "unkillable": list(self.unkillable),
                 "gpu_release_ms": self.gpu_release_ms, "gpu_held": list(self.gpu_held), "was": self.was}
 
+    @classmethod
+    def from_json(cls, d: dict) -> StopRecord:
+        return cls(unit=str(d["unit"]), signal=str(d["signal"]),
+                   seconds=None if d["seconds"] is None else float(d["seconds"]), escalated=bool(d["escalated"]),
+                   residue=[str(x) for x in d["residue"]], unkillable=[str(x) for x in d["unkillable"]],
+                   gpu_release_ms=None if d["gpu_release_ms"] is None else float(d["gpu_release_ms"]),
+                   gpu_held=[str(x) for x in d["gpu_held"]], was=str(d["was"]))
+
 
 class Target(Protocol):
     """Everything that belongs to one unit, as far as the kernel can prove it."""
@@ -70,6 +83,11 @@ class Target(Protocol):
 
     def members(self) -> list[Survivor]:
         """What of the target still lives (residue), described for the operator."""
+
+    def empty(self) -> bool:
+        """The kernel's proof that nothing of the target is left, zombies included (a zombie
+        still holds its process group): the main process reaped, the group or cgroup empty,
+        no escaped orphan. False when it cannot be proven yet."""
 
 
 class ProcessGroupTarget:
@@ -134,6 +152,11 @@ class ProcessGroupTarget:
     def members(self) -> list[Survivor]:
         return self._residue(members=True)
 
+    def empty(self) -> bool:
+        if not self.h.reaped.is_set() or self._group_left():
+            return False
+        return not self._residue(members=False)
+
 
 class LeftoverTarget:
     """Processes of a previous daemon instance, proven ours (pid + start time, or tag):
@@ -145,14 +168,11 @@ class LeftoverTarget:
         self.name = name
         self._held: list[tuple[Survivor, int]] = []
         for it in items:
-            try:
-                fd = os.pidfd_open(it.pid)
-            except ProcessLookupError:
-                continue
-            st = linux.read_stat(it.pid)
-            want = getattr(it, "start_time", 0)
-            if st is None or (want and st.start_time != want):
-                os.close(fd)
+            fd = linux.open_checked_pidfd(it.pid, it.start_time)
+            st = linux.read_stat(it.pid) if fd is not None else None
+            if fd is None or st is None:
+                if fd is not None:
+                    os.close(fd)
                 continue
             self._held.append((Survivor(it.pid, st.comm, st.state, "", it.describe(), st.start_time), fd))
 
@@ -185,45 +205,87 @@ class LeftoverTarget:
     def members(self) -> list[Survivor]:
         return [s for s, _fd in self._live()]
 
+    def empty(self) -> bool:
+        return not self._live()
+
     def close(self) -> None:
         for _s, fd in self._held:
             os.close(fd)
         self._held.clear()
 
 
+class Termination:
+    """One stop of one target, as steps: `begin` (the first signal), `escalate` (SIGKILL),
+    `until_gone`, `sweep` (escaped orphans), with the StopRecord they fill in. The
+    lifecycle table calls them one event at a time for a unit; `terminate` in a line."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.rec = StopRecord(unit=target.name, signal="", seconds=None, escalated=False)
+        self.t0 = 0.0
+
+    def begin(self, sig: int, cont: bool) -> None:
+        """The first signal (then SIGCONT, so a stopped process can act on it) to everything
+        of the target; SIGKILL as the first signal is `kill_all` (cgroup.kill, escapees)."""
+        self.t0 = time.monotonic()
+        self.rec.signal = linux.signal_name(sig)
+        if sig == signal.SIGKILL:
+            self.target.kill_all()
+            return
+        self.target.signal_all(sig)
+        if cont and sig != signal.SIGCONT:
+            self.target.signal_all(signal.SIGCONT)
+
+    def escalate(self) -> None:
+        """stop_timeout passed: SIGKILL everything of the target."""
+        self.rec.escalated = self.rec.signal != "SIGKILL"
+        self.target.kill_all()
+        if self.rec.escalated:
+            log.warning("stop timeout: sent SIGKILL", unit=self.target.name,
+                        after_s=round(time.monotonic() - self.t0, 3))
+
+    async def until_gone(self, deadline: float | None = None) -> bool:
+        """Wait until nothing of the target runs (the kernel's proof); False at the deadline
+        (None: no deadline of its own -- the caller's timers bound the wait)."""
+        gone = await self.target.wait_gone(time.monotonic() + UNBOUNDED_S if deadline is None else deadline)
+        if self.target.main_gone() and self.rec.seconds is None:
+            self.rec.seconds = round(time.monotonic() - self.t0, 4)
+        return gone
+
+    async def sweep(self, kill_timeout: float) -> list[str]:
+        """Orphans that escaped the group (double fork + setsid) die too; returns what is
+        still alive kill_timeout later (unkillable), recorded as residue / unkillable."""
+        leftovers = self.target.members()
+        if leftovers:
+            self.rec.residue = [s.describe() for s in leftovers]
+            kill_survivors(leftovers)
+            deadline = time.monotonic() + kill_timeout
+            while leftovers and time.monotonic() < deadline:
+                await asyncio.sleep(POLL_S * 2)
+                leftovers = self.target.members()
+        if leftovers:
+            self.unkillable(leftovers)
+        return self.rec.unkillable
+
+    def unkillable(self, survivors: list[Survivor] | None = None) -> list[str]:
+        """What survived SIGKILL and kill_timeout, described, recorded and logged once."""
+        left = self.target.members() if survivors is None else survivors
+        self.rec.unkillable = [s.describe() for s in left] or ["main process not reaped"]
+        log.error("unkillable processes", unit=self.target.name, survivors=self.rec.unkillable)
+        return self.rec.unkillable
+
+
 async def terminate(target: Target, stop_signal: int, stop_timeout: float, kill_timeout: float, *,
                     send_cont: bool = True) -> StopRecord:
-    """The kill policy: stop_signal (then SIGCONT, so a stopped process can act on it)
-    to everything of the target, wait stop_timeout, SIGKILL, wait kill_timeout, then
-    sweep what escaped; report what could not be killed. Every wait is bounded."""
-    t0 = time.monotonic()
-    rec = StopRecord(unit=target.name, signal=linux.signal_name(stop_signal), seconds=None, escalated=False)
-    target.signal_all(stop_signal)
-    if send_cont and stop_signal not in (signal.SIGKILL, signal.SIGCONT):
-        target.signal_all(signal.SIGCONT)
-    gone = await target.wait_gone(t0 + stop_timeout)
-    if not gone:
-        rec.escalated = stop_signal != signal.SIGKILL
-        t_kill = time.monotonic()
-        target.kill_all()
-        if rec.escalated:
-            log.warning("stop timeout: sent SIGKILL", unit=target.name, after_s=round(t_kill - t0, 3))
-        gone = await target.wait_gone(t_kill + kill_timeout)
-    if target.main_gone():
-        rec.seconds = round(time.monotonic() - t0, 4)
-    # Orphans that escaped the group (double fork + setsid) die too.
-    leftovers = target.members()
-    if leftovers:
-        rec.residue = [s.describe() for s in leftovers]
-        kill_survivors(leftovers)
-        deadline = time.monotonic() + kill_timeout
-        while leftovers and time.monotonic() < deadline:
-            await asyncio.sleep(POLL_S * 2)
-            leftovers = target.members()
-    if leftovers:
-        rec.unkillable = [s.describe() for s in leftovers]
-        log.error("unkillable processes", unit=target.name, survivors=rec.unkillable)
-    return rec
+    """The kill policy in a line, for what is not a unit: stop_signal (+ SIGCONT), wait
+    stop_timeout, SIGKILL, wait kill_timeout, sweep; every wait bounded."""
+    term = Termination(target)
+    term.begin(stop_signal, send_cont)
+    if not await term.until_gone(term.t0 + stop_timeout):
+        term.escalate()
+        await term.until_gone(time.monotonic() + kill_timeout)
+    await term.sweep(kill_timeout)
+    return term.rec
 
 
 def terminate_leftovers(items: list, kill_timeout: float = 5.0) -> list[str]:

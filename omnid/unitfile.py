@@ -1,5 +1,5 @@
 """Reading one unit file (or omnid.toml) into a typed, not yet expanded template: the key
-table of DESIGN.md Part 2 and the daemon-settings keys."""
+table of omnid.unit(5) and the daemon-settings keys of omnid(8)."""
 
 from __future__ import annotations
 
@@ -46,10 +46,18 @@ class _Template:
     gpus: tuple[int, ...] | str | None
 
 
-def _read_toml(file: Path, errors: list[UnitFileError]) -> dict[str, Any] | None:
+def _read_toml(file: Path, errors: list[UnitFileError], sources: dict[str, bytes] | None = None,
+               given: bool = False) -> dict[str, Any] | None:
+    """Parse one file. Its bytes are read from disk and recorded in `sources`, or, when
+    `given`, taken from `sources` (the texts a running daemon loaded, across its re-exec)."""
     try:
-        with file.open("rb") as f:
-            data = f.read(MAX_UNIT_FILE_BYTES + 1)
+        if given and sources is not None:
+            data = sources[file.name]
+        else:
+            with file.open("rb") as f:
+                data = f.read(MAX_UNIT_FILE_BYTES + 1)
+            if sources is not None:
+                sources[file.name] = data
         if len(data) > MAX_UNIT_FILE_BYTES:
             errors.append(UnitFileError(file, "", f"larger than {MAX_UNIT_FILE_BYTES} bytes; expected a unit file"))
             return None
@@ -179,7 +187,7 @@ def _parse_settings(file: Path, raw: Mapping[str, Any], directory: Path, errors:
             host, _port = parse_host_port(_string(value))
             ipaddress.ip_address(host)
         except ValueError as exc:
-            # A host name makes aiohttp start a resolver thread (DESIGN.md Part 1): numeric only.
+            # A host name makes aiohttp start a resolver thread (ARCHITECTURE.md, "Threads"): numeric only.
             raise _Invalid(f'expected "ADDRESS:PORT" with a numeric address such as "127.0.0.1:9321" ({exc})') from None
         return value
 

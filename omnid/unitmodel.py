@@ -1,4 +1,4 @@
-"""The unit model (DESIGN.md Part 2, "Unit files"): frozen, typed units and stacks as
+"""The unit model (omnid.unit(5)): frozen, typed units and stacks as
 `omnid.units.load_stack` returns them, with the stack's start tiers and who requires whom.
 Nothing here reads files."""
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 SETTINGS_FILE = "omnid.toml"
 DEFAULT_TITLE = "omnid: %n"
 
-# Set by omnid itself (DESIGN.md "The child's environment"); a unit that overrode
+# Set by omnid itself (omnid.unit(5), ENVIRONMENT OF A UNIT); a unit that overrode
 # them would hide from residue scans or talk to the wrong notify socket.
 RESERVED_ENV = frozenset({"OMNID_UNIT", "OMNID_INSTANCE", "OMNID_INSTANCES", "OMNID_GENERATION", "SPT_NOENV",
                           "NOTIFY_SOCKET"})
@@ -179,7 +179,7 @@ class Unit:
         return tuple(sorted(set(self.after) | set(self.requires)))
 
     def environ(self, base: Mapping[str, str], notify_socket: str | None = None) -> dict[str, str]:
-        """The full environment of this unit's process (DESIGN.md "The child's environment").
+        """The full environment of this unit's process (omnid.unit(5), ENVIRONMENT OF A UNIT).
 
         `base` is the daemon's own environment. Its systemd notify variables are
         dropped: they belong to the daemon, and a unit writing to them would
@@ -229,6 +229,9 @@ class Stack:
     _required_by: Mapping[str, tuple[str, ...]] = field(repr=False)
     # worker_group name -> member unit names in rank order (template, then instance number).
     groups: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    # file name -> the bytes this stack was read from: what a re-executed daemon parses
+    # again, so that it runs what was loaded, not what the files say now.
+    sources: Mapping[str, bytes] = field(default_factory=lambda: MappingProxyType({}), repr=False)
 
     def group_members(self, name: str) -> tuple[str, ...]:
         """The members of `name`'s worker group (itself included), or just (name,)."""

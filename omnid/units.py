@@ -1,4 +1,4 @@
-"""Unit files: DESIGN.md Part 2, "Unit files" (the key table) and the parsing half of `omnid check`.
+"""Unit files: omnid.unit(5) (the keys) and the parsing half of `omnid check`.
 
 A stack directory holds one TOML file per unit (`NAME.toml`) and an optional
 `omnid.toml` with daemon settings. `load_stack` reads them all once, expands
@@ -16,6 +16,7 @@ worker groups). This module is the entry point and re-exports their public names
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from os import PathLike
 from pathlib import Path
 from types import MappingProxyType
@@ -39,9 +40,11 @@ from omnid.unitfile import (  # noqa: F401 - re-exported
 # --------------------------------------------------------------------------- entry points
 
 
-def load_stack(directory: str | PathLike[str]) -> Stack:
-    """Read and validate a stack directory. Raises StackInvalid listing every error in every file."""
-    stack, errors = _load(Path(directory))
+def load_stack(directory: str | PathLike[str], sources: Mapping[str, bytes] | None = None) -> Stack:
+    """Read and validate a stack directory. Raises StackInvalid listing every error in every file.
+    With `sources` (file name -> bytes, as `Stack.sources` holds them), parse those texts
+    instead of the files: what a re-executed daemon does with the stack it ran."""
+    stack, errors = _load(Path(directory), sources)
     if errors:
         raise StackInvalid(errors)
     assert stack is not None
@@ -53,13 +56,17 @@ def check_stack(directory: str | PathLike[str]) -> tuple[UnitFileError, ...]:
     return _load(Path(directory))[1]
 
 
-def _load(directory: Path) -> tuple[Stack | None, tuple[UnitFileError, ...]]:
+def _load(directory: Path, given: Mapping[str, bytes] | None = None) -> tuple[Stack | None, tuple[UnitFileError, ...]]:
     errors: list[UnitFileError] = []
-    if not directory.is_dir():
+    sources: dict[str, bytes] = dict(given) if given is not None else {}
+    if given is not None:
+        files = sorted(directory / name for name in given)
+    elif not directory.is_dir():
         return None, (UnitFileError(directory, "", "not a directory; expected a directory of unit files (NAME.toml)"),)
-    # Dotfiles are editor leftovers (.serve.toml.swp, .#serve.toml), not units.
-    files = sorted(p for p in directory.glob("*.toml") if not p.name.startswith(".") and p.is_file())
-    if os.geteuid() == 0:
+    else:
+        # Dotfiles are editor leftovers (.serve.toml.swp, .#serve.toml), not units.
+        files = sorted(p for p in directory.glob("*.toml") if not p.name.startswith(".") and p.is_file())
+    if os.geteuid() == 0 and given is None:
         # A root daemon runs what these files say: only root may be able to change them.
         problem = check_unit_path(directory, directory=True)
         if problem:
@@ -75,7 +82,7 @@ def _load(directory: Path) -> tuple[Stack | None, tuple[UnitFileError, ...]]:
     templates: dict[str, _Template] = {}
     broken: set[str] = set()  # units whose file could not be read at all
     for file in files:
-        raw = _read_toml(file, errors)
+        raw = _read_toml(file, errors, sources, given is not None)
         if file.name == SETTINGS_FILE:
             if raw is not None:
                 settings = _parse_settings(file, raw, directory, errors)
@@ -128,6 +135,7 @@ def _load(directory: Path) -> tuple[Stack | None, tuple[UnitFileError, ...]]:
             _tier_of=MappingProxyType(tier_of),
             _required_by=MappingProxyType({n: tuple(r) for n, r in required_by.items()}),
             groups=MappingProxyType(groups),
+            sources=MappingProxyType(sources),
         ),
         (),
     )

@@ -250,8 +250,10 @@ def parse_host_port(text: str) -> tuple[str, int]:
     host, sep, port_text = text.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    if not sep or not host or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        raise ValueError(f'expected "HOST:PORT" with a port from 1 to 65535, got {_quote(text)}')
+    bad_host = not host or any(c in host for c in "[]/ \t\n") or (":" in host and not text.startswith("["))
+    if not sep or bad_host or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f'expected "HOST:PORT" (an IPv6 address in brackets: "[::1]:8000") with a port from 1 '
+                         f"to 65535, got {_quote(text)}")
     return host, int(port_text)
 
 
@@ -263,9 +265,15 @@ def _group_name(value: Any) -> str:
 
 
 def _http_url(value: Any) -> str:
-    if isinstance(value, str):
-        parts = urlsplit(value)
-        if parts.scheme in ("http", "https") and parts.hostname:
-            return value
     example = "http://127.0.0.1:8000/health"
+    if isinstance(value, str):
+        try:
+            parts = urlsplit(value)
+            _port = parts.port  # raises ValueError on a port that is not 0-65535
+            host = parts.hostname
+        except ValueError as exc:  # "Invalid IPv6 URL", "Port out of range 0-65535", ...
+            raise _Invalid(f'expected an http:// or https:// URL such as "{example}", got {_describe(value)} '
+                           f"({exc})") from None
+        if parts.scheme in ("http", "https") and host and not any(c.isspace() for c in value):
+            return value
     raise _Invalid(f'expected an http:// or https:// URL such as "{example}", got {_describe(value)}')

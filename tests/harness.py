@@ -241,9 +241,20 @@ class Daemon:
         except ValueError:
             return code, body.decode()
 
-    def events_socket(self) -> zmq.Socket:
+    def events_socket(self, live: bool = True, timeout: float = 5.0) -> zmq.Socket:
+        """A subscription to the daemon's events; with `live`, returned only once the daemon
+        has counted it (its subscription count went up): no event published after this
+        returns can be missed (ZeroMQ's slow joiner)."""
+        before = self.ok("status")["daemon"]["events"]["subscriptions"] if live else 0
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(f"ipc://{self.control}.events")
+        if live:
+            try:
+                wait_for(lambda: self.ok("status")["daemon"]["events"]["subscriptions"] > before, timeout,
+                         "the daemon to count the event subscription")
+            except AssertionError:
+                sub.close(0)
+                raise
         return sub

@@ -9,7 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from omnid.spawnclient import SpawnerClient
-from omnid.supervisor import Supervisor
+from omnid.core.supervisor import Supervisor
 from omnid.units import load_stack
 from tests.harness import make_stack
 
@@ -44,17 +44,16 @@ def run(units: dict[str, str], body: Callable[[Supervisor], Awaitable[None]], **
         sup = Supervisor(load_stack(str(d)), spawner, token="insup-token", echo_output=False,
                          check_invariants=True, **sup_kw)
         holder.append(sup)
-        sup._kick()
+        sup.kick()
         try:
             await body(sup)
         finally:
             try:
-                await sup.shutdown(30)
+                await sup.requests.shutdown(30)
             finally:
                 await spawner.shutdown()
                 for u in sup.units.values():
-                    if u.output is not None:
-                        u.output.detach()
+                    u.output.detach()
         assert not sup.invariant_violations, sup.invariant_violations
 
     try:

@@ -295,11 +295,12 @@ def test_control_socket_survives_bad_requests(daemon_factory):
         reply = d.raw(payload)
         assert reply["ok"] is False and reply["error"]["message"] and reply["error"]["code"], (payload, reply)
     big = json.dumps({"id": 6, "cmd": "status", "args": {"pad": "x" * (1 << 20)}}).encode()
-    try:
-        reply = d.raw(big, timeout=3)
-        assert reply["ok"] is False and "1 MiB" in reply["error"]["message"]
-    except AssertionError:
-        pass  # libzmq may drop the oversized peer instead: both are in the contract
+    d._sock.send(big)
+    # The contract allows either answer: an error reply naming the limit, or libzmq
+    # dropping the oversized peer (then no reply comes). Any other reply is a failure.
+    if d._sock.poll(3000):
+        reply = json.loads(d._sock.recv())
+        assert reply["ok"] is False and "1 MiB" in reply["error"]["message"], reply
     d._sock.close(0)
     d._sock = None
     assert d.ok("status")["units"][0]["state"] == "active"  # alive and well

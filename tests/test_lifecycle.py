@@ -1,7 +1,6 @@
-"""Issue #8 / #12: the lifecycle of one unit and the operator requests on it.
-
-The table test of `omnid.lifecycle.step` is further down; the tests here drive a
-real supervisor in-process (real children, checked in /proc)."""
+"""The operator requests on a unit and the reasons they leave, driven through a real
+supervisor in-process (real children, checked in /proc). The lifecycle table itself
+is tested pair by pair in tests/test_table.py."""
 
 from __future__ import annotations
 
@@ -11,8 +10,8 @@ import signal
 
 import pytest
 
-from omnid.states import UnitState as S
-from omnid.supervisor import Superseded
+from omnid.core.lifecycle import UnitState as S
+from omnid.core.requests import Superseded
 from tests import insup
 from tests.harness import alive
 
@@ -31,10 +30,10 @@ def test_a_start_overtaken_by_a_stop_on_the_same_unit_is_answered_superseded():
 
     async def body(sup):
         u = sup.units["a"]
-        await sup.stop_units(["a"], 10)
-        start = asyncio.ensure_future(sup.start_units(["a"], None))
+        await sup.requests.stop_units(["a"], 10)
+        start = asyncio.ensure_future(sup.requests.start_units(["a"], None))
         await insup.until(lambda: u.state is S.STARTING, 10, "a starting", sup)
-        stop = asyncio.ensure_future(sup.stop_units(["a"], None))
+        stop = asyncio.ensure_future(sup.requests.stop_units(["a"], None))
         with pytest.raises(Superseded) as err:
             await asyncio.wait_for(start, 10)
         assert err.value.code == "superseded"
@@ -53,9 +52,9 @@ def test_a_stop_overtaken_by_a_start_on_the_same_unit_is_answered_superseded():
     async def body(sup):
         u = sup.units["a"]
         await insup.until(lambda: u.state is S.ACTIVE, 10, "a active", sup)
-        stop = asyncio.ensure_future(sup.stop_units(["a"], None))
+        stop = asyncio.ensure_future(sup.requests.stop_units(["a"], None))
         await insup.until(lambda: u.state is S.STOPPING, 10, "a stopping", sup)
-        start = asyncio.ensure_future(sup.start_units(["a"], None))
+        start = asyncio.ensure_future(sup.requests.start_units(["a"], None))
         with pytest.raises(Superseded) as err:
             await asyncio.wait_for(stop, 10)
         assert err.value.message.startswith("superseded: start requested by another client"), err.value.message
@@ -73,7 +72,7 @@ def test_a_dependents_reason_names_the_root_cause_and_stays_current():
         os.kill(w.proc.pid, signal.SIGKILL)  # our own child, its pidfd held by the supervisor
         await insup.until(lambda: w.state is S.FAILED and e.state is S.INACTIVE, 10, "worker failed, engine down", sup)
         assert e.reason == "stopped: requires worker, which failed: killed by SIGKILL", e.reason
-        await sup.stop_units(["worker"], 10)
+        await sup.requests.stop_units(["worker"], 10)
         await insup.until(lambda: e.reason == "stopped: requires worker, which was stopped by request", 5,
                           f"engine's reason to follow the worker (is {e.reason!r})", sup)
 
@@ -103,7 +102,7 @@ def test_restart_waits_until_the_dependents_it_took_down_are_back_and_returns_th
         e = sup.units["engine"]
         await insup.until(lambda: e.state is S.ACTIVE, 10, "engine active", sup)
         old_engine = e.proc.pid
-        snaps = await asyncio.wait_for(sup.restart_units(["worker"], 20), 25)
+        snaps = await asyncio.wait_for(sup.requests.restart_units(["worker"], 20), 25)
         by = {s["name"]: s for s in snaps}
         assert set(by) == {"worker", "engine"}, by
         assert by["engine"]["state"] == "active" and by["engine"]["pid"] != old_engine, by
@@ -112,156 +111,29 @@ def test_restart_waits_until_the_dependents_it_took_down_are_back_and_returns_th
     insup.run({"worker": WORKER, "engine": slow_engine}, body)
 
 
-# ====================================================================== the table
-# Every (state, event) pair of omnid.lifecycle.step. Reading this tells you the
-# whole lifecycle of one unit. None = illegal (IllegalEvent naming unit, state, event).
-from omnid import lifecycle as lc  # noqa: E402
-from omnid.lifecycle import (ArmTimer, Event as Ev, IllegalEvent, Publish, RecordFailure, Release,  # noqa: E402
-                             ReportUnkillable, Signal, Spawn, StartMonitors, UnitView, step)
-from omnid.states import LEGAL  # noqa: E402
+# ------------------------------------------------------------ a restart waits for the dependents to stop
+def test_a_failed_requirement_restarts_only_after_the_units_that_require_it_have_stopped():
+    """Seen with a Ray head and a Ray worker node as units: the head was restarted after
+    restart_sec while the node (30 s stop) still stopped, Ray refused it ("already running"),
+    and each refusal spent one of the start limit's starts. omnid(8): dependents are stopped
+    first, then the restart policy applies."""
+    base = insup.SLEEPER.replace('restart = "no"\n', 'restart = "on-failure"\nrestart_sec = 0.1\n')
+    slow = ('exec = ["sh", "-c", "trap \\"\\" TERM; sleep 1000 & wait; wait"]\nstop_timeout = 2\nkill_timeout = 2\n'
+            'restart = "on-failure"\nrestart_sec = 0.1\nrequires = ["base"]\n')
 
-I, ST, A, SP, F = S.INACTIVE, S.STARTING, S.ACTIVE, S.STOPPING, S.FAILED
-SPAWN = (Spawn(),)
-NOTHING = ()
-STARTED = (Publish(), ArmTimer("ready_timeout"))
-SPAWN_FAILED = (RecordFailure(), Release(), Publish(), ArmTimer("restart"))
-FAIL_ALIVE = (RecordFailure(), Publish(), Signal("stop_signal"), ArmTimer("stop_timeout"))
-STOP = (Publish(), Signal("stop_signal", cont=True), ArmTimer("stop_timeout"))
-DIED = (RecordFailure(), Release(), Publish(), ArmTimer("restart"))
-DIED_WITH_LEFTOVERS = (RecordFailure(), Publish(), Signal("SIGKILL"), ArmTimer("kill_timeout"))
-ESCALATE = (Signal("SIGKILL"), ArmTimer("kill_timeout"))
+    async def body(sup):
+        b, d = sup.units["base"], sup.units["node"]
+        await insup.until(lambda: d.state is S.ACTIVE, 10, "node active", sup)
+        old = b.proc.pid
+        os.kill(old, signal.SIGKILL)  # our own child, its pidfd held by the supervisor
+        await insup.until(lambda: d.state is S.STOPPING, 5, "node stopping", sup)
+        seen_stopping = 0
+        while d.state is S.STOPPING:  # ~2 s: the node ignores SIGTERM until stop_timeout
+            assert b.state is S.FAILED and b.proc is None, (b.state, b.reason, "restarted while node stops")
+            seen_stopping += 1
+            await asyncio.sleep(0.02)
+        assert seen_stopping > 20, seen_stopping
+        await insup.until(lambda: b.state is S.ACTIVE and d.state is S.ACTIVE, 10, "both back", sup)
+        assert b.proc.pid != old and len(b.book.start_times) == 2, b.book.start_times
 
-# (state, event): (new state, actions) -- or for view-dependent rows, a dict
-# {view flags: (new state, actions)}.
-EXPECTED = {
-    # inactive: only a start (or the spawn's answer) moves it
-    (I, Ev.START_REQUESTED): (I, SPAWN),  # stays inactive until the process exists
-    (I, Ev.RESTART_DUE): None,
-    (I, Ev.SPAWNED): (ST, STARTED),
-    (I, Ev.SPAWN_FAILED): (F, SPAWN_FAILED),
-    (I, Ev.READY): None,
-    (I, Ev.NOT_READY_IN_TIME): None,
-    (I, Ev.EXITED): None,
-    (I, Ev.WATCHDOG_EXPIRED): None,
-    (I, Ev.LIVENESS_FAILED): None,
-    (I, Ev.STOP_REQUESTED): (I, NOTHING),
-    (I, Ev.DEPENDENCY_DOWN): (I, NOTHING),
-    (I, Ev.DEPENDENCY_UP): (I, NOTHING),
-    (I, Ev.STOP_TIMEOUT): None,
-    (I, Ev.KILL_TIMEOUT): None,
-    (I, Ev.GONE): None,
-    (I, Ev.INTERNAL_ERROR): None,
-    # starting: process alive, not ready yet
-    (ST, Ev.START_REQUESTED): None,
-    (ST, Ev.RESTART_DUE): None,
-    (ST, Ev.SPAWNED): None,
-    (ST, Ev.SPAWN_FAILED): None,
-    (ST, Ev.READY): (A, (Publish(), StartMonitors())),
-    (ST, Ev.NOT_READY_IN_TIME): (SP, FAIL_ALIVE),
-    (ST, Ev.EXITED): {"leftovers": (SP, DIED_WITH_LEFTOVERS), "clean": (F, DIED)},
-    (ST, Ev.WATCHDOG_EXPIRED): None,
-    (ST, Ev.LIVENESS_FAILED): None,
-    (ST, Ev.STOP_REQUESTED): (SP, STOP),
-    (ST, Ev.DEPENDENCY_DOWN): (SP, STOP),
-    (ST, Ev.DEPENDENCY_UP): (ST, NOTHING),
-    (ST, Ev.STOP_TIMEOUT): None,
-    (ST, Ev.KILL_TIMEOUT): None,
-    (ST, Ev.GONE): None,
-    (ST, Ev.INTERNAL_ERROR): (SP, FAIL_ALIVE),
-    # active: ready, monitored
-    (A, Ev.START_REQUESTED): None,
-    (A, Ev.RESTART_DUE): None,
-    (A, Ev.SPAWNED): None,
-    (A, Ev.SPAWN_FAILED): None,
-    (A, Ev.READY): None,
-    (A, Ev.NOT_READY_IN_TIME): None,
-    (A, Ev.EXITED): {"leftovers": (SP, DIED_WITH_LEFTOVERS), "clean": (F, DIED)},
-    (A, Ev.WATCHDOG_EXPIRED): (SP, FAIL_ALIVE),
-    (A, Ev.LIVENESS_FAILED): (SP, FAIL_ALIVE),
-    (A, Ev.STOP_REQUESTED): (SP, STOP),
-    (A, Ev.DEPENDENCY_DOWN): (SP, STOP),
-    (A, Ev.DEPENDENCY_UP): (A, NOTHING),
-    (A, Ev.STOP_TIMEOUT): None,
-    (A, Ev.KILL_TIMEOUT): None,
-    (A, Ev.GONE): None,
-    (A, Ev.INTERNAL_ERROR): (SP, FAIL_ALIVE),
-    # stopping: the kill policy is running
-    (SP, Ev.START_REQUESTED): None,
-    (SP, Ev.RESTART_DUE): None,
-    (SP, Ev.SPAWNED): None,
-    (SP, Ev.SPAWN_FAILED): None,
-    (SP, Ev.READY): None,
-    (SP, Ev.NOT_READY_IN_TIME): None,
-    (SP, Ev.EXITED): (SP, NOTHING),
-    (SP, Ev.WATCHDOG_EXPIRED): None,
-    (SP, Ev.LIVENESS_FAILED): None,
-    (SP, Ev.STOP_REQUESTED): (SP, NOTHING),
-    (SP, Ev.DEPENDENCY_DOWN): (SP, NOTHING),
-    (SP, Ev.DEPENDENCY_UP): (SP, NOTHING),
-    (SP, Ev.STOP_TIMEOUT): (SP, ESCALATE),
-    (SP, Ev.KILL_TIMEOUT): {"failing": (F, (ReportUnkillable(), Release(), Publish(), ArmTimer("restart"))),
-                            "requested": (I, (ReportUnkillable(), Release(), Publish()))},
-    (SP, Ev.GONE): {"failing": (F, (Release(), Publish(), ArmTimer("restart"))),
-                    "requested": (I, (Release(), Publish()))},
-    (SP, Ev.INTERNAL_ERROR): (SP, (RecordFailure(), Signal("SIGKILL"), ArmTimer("kill_timeout"))),
-    # failed: the restart policy or an operator decides
-    (F, Ev.START_REQUESTED): (F, SPAWN),
-    (F, Ev.RESTART_DUE): (F, SPAWN),
-    (F, Ev.SPAWNED): (ST, STARTED),
-    (F, Ev.SPAWN_FAILED): (F, SPAWN_FAILED),
-    (F, Ev.READY): None,
-    (F, Ev.NOT_READY_IN_TIME): None,
-    (F, Ev.EXITED): None,
-    (F, Ev.WATCHDOG_EXPIRED): None,
-    (F, Ev.LIVENESS_FAILED): None,
-    (F, Ev.STOP_REQUESTED): (I, (Release(), Publish())),  # an operator's stop clears a failure
-    (F, Ev.DEPENDENCY_DOWN): (F, NOTHING),
-    (F, Ev.DEPENDENCY_UP): (F, NOTHING),
-    (F, Ev.STOP_TIMEOUT): None,
-    (F, Ev.KILL_TIMEOUT): None,
-    (F, Ev.GONE): None,
-    (F, Ev.INTERNAL_ERROR): None,
-}
-
-VIEWS = {"leftovers": {"leftovers": True}, "clean": {"leftovers": False},
-         "failing": {"failing": True}, "requested": {"failing": False}}
-
-
-def test_the_table_covers_every_state_event_pair():
-    assert set(EXPECTED) == {(s, e) for s in S for e in Ev}
-    assert len(EXPECTED) == len(S) * len(Ev) == 80
-
-
-@pytest.mark.parametrize("state,event", sorted(EXPECTED, key=lambda k: (list(S).index(k[0]), list(Ev).index(k[1]))),
-                         ids=lambda v: v.value)
-def test_step(state, event):
-    want = EXPECTED[(state, event)]
-    if want is None:
-        with pytest.raises(IllegalEvent) as err:
-            step(UnitView("worker@1", state), event)
-        assert str(err.value) == f"worker@1: event {event.value} is illegal in state {state.value}"
-        return
-    cases = want.items() if isinstance(want, dict) else [("any", want)]
-    for flags, (new, actions) in cases:
-        got = step(UnitView("worker@1", state, **VIEWS.get(flags, {})), event)
-        assert got == (new, actions), (state, event, flags, got)
-        assert new is state or new in LEGAL[state], f"step allows {state.value} -> {new.value}, LEGAL does not"
-
-
-def test_step_is_pure_no_io_no_asyncio():
-    import ast
-    import inspect
-
-    tree = ast.parse(inspect.getsource(lc))
-    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
-                for a in n.names} | {n.module.split(".")[0] for n in ast.walk(tree)
-                                     if isinstance(n, ast.ImportFrom) and n.module}
-    assert not imported & {"asyncio", "os", "socket", "subprocess", "time", "signal", "select"}, imported
-
-
-def test_the_man_page_shows_the_diagram_generated_from_the_table():
-    from pathlib import Path
-
-    man = (Path(__file__).resolve().parent.parent / "man" / "omnid.unit.5").read_text()
-    block = man.split(".SS Lifecycle", 1)[1].split(".nf\n", 1)[1].split("\n.fi", 1)[0]
-    assert block.splitlines() == lc.diagram()
+    insup.run({"base": base, "node": slow}, body)

@@ -209,13 +209,15 @@ def test_abort_storm_every_request_answered_state_agrees_with_proc(daemon_factor
           f"{kills[0] if kills else 0} SIGKILLs, {storm_s:.1f} s, daemon fds {fds_before} -> {_fds(d.pid)}")
 
 
-def test_a_readiness_wait_cancelled_for_a_stop_that_is_taken_back_is_resumed():
-    """Found by the storm: a `starting` unit's readiness wait is cancelled by a stop request,
-    and a start request takes the stop back before the stop begins. The unit used to sit in
-    `starting` forever with nothing waiting for its readiness, and every later start request
-    waited for it. Interleaved here at that exact moment (in-process supervisor, real spawner)."""
-    from omnid.supervisor import Goal
-    from omnid.states import UnitState as S
+def test_a_stop_taken_back_by_a_start_in_the_same_turn_leaves_the_unit_watched_and_it_becomes_active():
+    """Found by the storm (old code): a `starting` unit whose readiness wait was cancelled for a
+    stop that a start then took back sat in `starting` forever. Now a stop is one event fed by
+    converge; a stop and a start landing in the same loop turn leave the goal as it was, the
+    readiness check keeps watching, and the same process becomes active."""
+    import asyncio
+
+    from omnid.core.lifecycle import UnitState as S
+    from omnid.core.requests import Superseded
     from tests import insup
     from tests.harness import free_port
 
@@ -223,28 +225,23 @@ def test_a_readiness_wait_cancelled_for_a_stop_that_is_taken_back_is_resumed():
     unit = insup.SLEEPER + f'ready = {{ tcp = "127.0.0.1:{port}" }}\nready_timeout = 30\n'
 
     async def body(sup):
-        import asyncio
-
         u = sup.units["a"]
-        await insup.until(lambda: u.state is S.STARTING and u.op is not None, 10, "a starting", sup)
+        await insup.until(lambda: u.state is S.STARTING, 10, "a starting", sup)
         pid = u.proc.pid
-        await insup.until(lambda: not sup._converge_pending, 5, "no converge queued", sup)
-        held: list[int] = []
-        sup._converge = lambda: held.append(1)  # later kicks queue this: the converge is held
-        u.goal = Goal.INACTIVE  # what a stop request does to the goal...
-        type(sup)._converge(sup)  # ...and the converge it kicks cancels the readiness wait
-        await insup.until(lambda: u.op is None, 5, "the readiness wait cancelled", sup)
-        assert held, "the cancelled wait asked for a converge (the one that would begin the stop)"
-        u.goal = Goal.ACTIVE  # a start request lands before that converge runs
-        del sup._converge
-        sup._converge_pending = False
-        sup._kick()
+        stop = asyncio.ensure_future(sup.requests.stop_units(["a"], 10))
+        start = asyncio.ensure_future(sup.requests.start_units(["a"], 10))
         server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", port)
         try:
             await insup.until(lambda: u.state is S.ACTIVE, 10, "a active once its port answers", sup)
+            snaps = await asyncio.wait_for(start, 10)
         finally:
             server.close()
             await server.wait_closed()
-        assert u.proc.pid == pid, "the same process, not a restart"
+        assert snaps[0]["state"] == "active" and u.proc.pid == pid, "the same process, not a restart"
+        try:
+            await asyncio.wait_for(stop, 10)
+            raise AssertionError("the stop taken back must be answered superseded")
+        except Superseded:
+            pass
 
     insup.run({"a": unit}, body)

@@ -1,4 +1,4 @@
-"""Unit-file parsing (omnid/units.py): the contract table of DESIGN.md Part 2, "Unit files"."""
+"""Unit-file parsing (omnid/units.py): the key table of omnid.unit(5)."""
 
 from __future__ import annotations
 
@@ -528,3 +528,18 @@ def test_every_error_in_every_file_is_reported_at_once(tmp_path: Path) -> None:
     assert message.startswith("9 errors in unit files:")
     assert all(str(e) in message for e in caught.value.errors)
     assert check_stack(tmp_path) == caught.value.errors
+
+
+@pytest.mark.parametrize("key,value,why", [
+    ("liveness", '{ http = "http://[::1/x" }', "Invalid IPv6 URL"),
+    ("ready", '{ http = "http://[::1]:99999/" }', "Port out of range"),
+    ("ready", '{ http = "http://h:abc/" }', "Port could not be cast"),
+    ("ready", '{ tcp = "[::1:80" }', "IPv6 address in brackets"),
+    ("ready", '{ tcp = "::1:80" }', "IPv6 address in brackets"),
+])
+def test_a_malformed_url_or_host_port_is_a_named_error_not_a_traceback(tmp_path: Path, key, value, why) -> None:
+    """Found by fuzzing: urlsplit's ValueError ("Invalid IPv6 URL") came out of `omnid check`
+    and the daemon as a traceback."""
+    write(tmp_path, {"a.toml": f'exec = ["a"]\n{key} = {value}\n'})
+    errs = errors_of(tmp_path)
+    assert len(errs) == 1 and errs[0].key.startswith(key + ".") and why in errs[0].message, errs

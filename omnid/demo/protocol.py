@@ -83,7 +83,7 @@ def worker_endpoint() -> str:
 
 
 def unit_name(default: str) -> str:
-    """This process's unit name, as omnid sets it (DESIGN.md, the child's environment)."""
+    """This process's unit name, as omnid sets it (omnid.unit(5), ENVIRONMENT OF A UNIT)."""
     return env_str("OMNID_UNIT", default)
 
 

@@ -1,4 +1,4 @@
-"""Tiny sd_notify client for the reference stack (DESIGN.md, "The child's environment").
+"""Tiny sd_notify client for the reference stack (omnid.unit(5), ENVIRONMENT OF A UNIT).
 
 A unit started with ``ready = "notify"`` finds ``NOTIFY_SOCKET`` in its
 environment: a Unix datagram socket path, or an abstract socket name when it

@@ -59,7 +59,7 @@ class WorkerConfig:
         device = protocol.env_str("OMNID_DEMO_DEVICE", "auto").lower()
         if device not in ("auto", "cpu", "cuda"):
             raise SystemExit(f"OMNID_DEMO_DEVICE={device!r}: expected auto, cpu or cuda")
-        # The supervisor's interval wins; without one, ping every second (DESIGN.md: watchdog_sec).
+        # The supervisor's interval wins; without one, ping every second (omnid.unit(5): watchdog_sec).
         interval = watchdog_interval()
         return cls(
             unit=protocol.unit_name("worker@0"),

@@ -1,0 +1,365 @@
+"""The executor: carries out the actions `lifecycle.step` returns, one small handler
+per action type, and feeds each outcome back to the supervisor as an event
+(spawned / spawn failed, gone, timer fired, captured, released). It decides
+nothing: which action comes when is the table's business.
+
+What it starts for a unit is scoped (after s6, where leaving a state is what
+cancels its timers): timers, drains, captures and GPU-release waits belong to the
+unit's position (an outcome of an older position is void: the unit's `epoch`
+changed); the readiness check belongs to `starting`, the monitors to `active`,
+the wait for the kernel's proof of an empty unit to `stopping`. A spawn is never
+cancelled (the child would be lost): its outcome is always fed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from omnid import linux
+from omnid.cgroup import CgroupTarget
+from omnid.core import groups, policy, spawning
+from omnid.core.lifecycle import (Action, ArmTimer, Capture, CountStart, DecideRestart, Drain, Event, Phase,
+                                  Publish, RecordFailure, Release, ReportUnkillable, Signal, Spawn, StartMonitors,
+                                  UnitState, WaitRelease, WatchGone, WatchReady)
+from omnid.core.runtime import UnitRuntime
+from omnid.process import ProcessHandle
+from omnid.spawnclient import SpawnError
+from omnid.tasks import unit_task
+from omnid.termination import ProcessGroupTarget, StopRecord, Target, Termination, terminate
+from omnid.core.centre import Centre
+
+
+log = structlog.get_logger("omnid.supervisor")
+S, P, E = UnitState, Phase, Event
+
+# Which event each timer feeds when it fires, and how long it runs.
+TIMER_EVENTS = {"ready_timeout": E.NOT_READY, "stop_timeout": E.STOP_TIMEOUT, "kill_timeout": E.KILL_TIMEOUT,
+                "capture_timeout": E.CAPTURED, "capture_due": E.CAPTURE_DUE, "drain_timeout": E.DRAINED}
+EXIT_STATUS_WAIT_S = 2.0  # pidfd readable -> the spawner's exit report; then "status unknown"
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """What a handler may need of the event being carried out."""
+
+    prev_state: UnitState  # the state before this step
+    detail: str = ""  # what the event's reporter said (a failure's description)
+    event: Event | None = None  # the event being carried out
+    pid: int | None = None  # the main process the step concerns (read before Release)
+
+
+@dataclass
+class Works:
+    """What runs for one unit right now. Position-scoped things die with the position."""
+
+    timers: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
+    tasks: dict[str, asyncio.Task] = field(default_factory=dict)  # "ready", "gone", "drain", "release", ...
+    term: Termination | None = None  # the current stop's kill-policy steps and StopRecord
+    start_reason: str = ""
+    exit_wait: asyncio.TimerHandle | None = None
+    dead_pids: list[int] = field(default_factory=list)  # whose GPU memory must be freed
+    stop_from: UnitState = UnitState.ACTIVE  # the state the current stop began in
+
+
+# Tasks that live as long as a state, not a phase.
+_STATE_TASKS = {"ready": S.STARTING, "liveness": S.ACTIVE, "gone": S.STOPPING}
+
+
+class Executor:
+    def __init__(self, sup: Centre) -> None:
+        self.sup = sup
+        self.works: dict[str, Works] = {}
+        self._handlers: dict[type, Callable[[UnitRuntime, Any, Ctx], None]] = {
+            CountStart: self._count_start, Spawn: self._spawn, Signal: self._signal, ArmTimer: self._arm_timer,
+            WatchGone: self._watch_gone, WatchReady: self._watch_ready, StartMonitors: self._start_monitors,
+            Capture: self._capture, Drain: self._drain, RecordFailure: self._record_failure,
+            DecideRestart: self._decide_restart, ReportUnkillable: self._report_unkillable,
+            WaitRelease: self._wait_release, Release: self._release, Publish: self._publish,
+        }
+        self.captures = None  # omnid.forensics store, when the daemon has one
+        self.drains = None  # omnid drain hooks, when the daemon has them
+
+    def of(self, rt: UnitRuntime) -> Works:
+        w = self.works.get(rt.name)
+        if w is None:
+            w = self.works[rt.name] = Works()
+        return w
+
+    def forget(self, name: str) -> None:
+        """A unit left the stack (reload): nothing may run for it any more."""
+        w = self.works.pop(name, None)
+        if w is not None:
+            for t in w.timers.values():
+                t.cancel()
+            for task in w.tasks.values():
+                task.cancel()
+
+    # ------------------------------------------------------------ entry points
+    def run(self, rt: UnitRuntime, actions: tuple[Action, ...], ctx: Ctx) -> None:
+        """Carry out `actions` for rt in order. A handler that raises is a bug: the unit's
+        position decides what that means (INTERNAL_ERROR), the daemon goes on."""
+        for action in actions:
+            try:
+                self._handlers[type(action)](rt, action, ctx)
+            except Exception as exc:  # noqa: BLE001 - a bug in a handler fails the unit, never the daemon
+                log.exception("action failed", unit=rt.name, action=type(action).__name__)
+                self.sup.feed(rt, E.INTERNAL_ERROR, f"internal error in {type(action).__name__}: "
+                                                    f"{type(exc).__name__}: {exc}")
+                return
+
+    def left(self, rt: UnitRuntime, old_state: UnitState) -> None:
+        """rt's position changed: what belonged to the old one stops."""
+        w = self.of(rt)
+        for t in w.timers.values():
+            t.cancel()
+        w.timers.clear()
+        for kind in list(w.tasks):
+            keep_in = _STATE_TASKS.get(kind)
+            if keep_in is not None and keep_in is rt.state:
+                continue
+            task = w.tasks.pop(kind)
+            if task is not asyncio.current_task():
+                task.cancel()
+        if old_state is S.ACTIVE and rt.state is not S.ACTIVE:
+            self.sup.monitors.stop(rt)
+
+    def _task(self, rt: UnitRuntime, kind: str, coro: Coroutine[Any, Any, None]) -> None:
+        """A task working for rt: a crash is that unit's INTERNAL_ERROR (omnid.tasks)."""
+        epoch = rt.epoch
+
+        def crashed(exc: BaseException) -> None:
+            if rt.epoch == epoch or kind in _STATE_TASKS:
+                self.sup.feed(rt, E.INTERNAL_ERROR, f"internal error in {kind}: {type(exc).__name__}: {exc}")
+
+        w = self.of(rt)
+        old = w.tasks.pop(kind, None)
+        if old is not None and not old.done():
+            old.cancel()
+        w.tasks[kind] = unit_task(coro, unit=rt.name, kind=kind, on_crash=crashed)
+
+    def _feed_if_current(self, rt: UnitRuntime, epoch: int, event: Event, detail: str = "") -> None:
+        if rt.epoch == epoch:
+            self.sup.feed(rt, event, detail)
+
+    # ------------------------------------------------------------ start
+    def _count_start(self, rt: UnitRuntime, a: CountStart, ctx: Ctx) -> None:
+        w = self.of(rt)
+        w.start_reason = groups.count_start(self.sup, rt, time.monotonic())
+
+    def _spawn(self, rt: UnitRuntime, a: Spawn, ctx: Ctx) -> None:
+        w = self.of(rt)
+        w.term = None
+        self._task(rt, "spawn", self._spawn_task(rt, w.start_reason))
+
+    async def _spawn_task(self, rt: UnitRuntime, reason: str) -> None:
+        sup, spec = self.sup, rt.spec
+        ours = {x.proc.pid for x in sup.units.values() if x.proc is not None}
+        refusal = spawning.gpu_held_by_leftover(spec, sup.gpu, ours)
+        if refusal:
+            sup.feed(rt, E.SPAWN_FAILED, refusal)
+            return
+        residue = sup.cgroups.residue(rt.name) if sup.cgroups else None
+        if residue is not None:  # what an unkillable previous instance left in its cgroup
+            log.warning("killing residue in a unit's cgroup before its start", unit=rt.name, cgroup=residue.path)
+            await terminate(residue, signal.SIGKILL, spec.kill_timeout, 0.0, send_cont=False)
+        try:
+            env = spawning.environ(spec, sup.notify_socket, sup.token, groups.environment(sup, rt))
+            prep = spawning.prepare(spec, env=env, cgroups=sup.cgroups)
+        except spawning.CannotSpawn as exc:
+            self._cgroup_done(rt)
+            sup.feed(rt, E.SPAWN_FAILED, str(exc))
+            return
+        try:
+            sp = await sup.spawner.spawn(prep.request, prep.out_w, prep.err_w)
+        except SpawnError as exc:
+            prep.close_read_ends()
+            self._cgroup_done(rt)
+            rt.spawn_errno = exc.errno
+            sup.feed(rt, E.SPAWN_FAILED, str(exc))
+            return
+        finally:
+            prep.close_write_ends()
+        rt.spawn_errno = None
+        h = ProcessHandle(unit=rt.name, pid=sp.pid, pidfd=sp.pidfd, pgid=sp.pid, start_time=sp.start_time)
+        rt.output.attach(prep.out_r, prep.err_r)
+        sup.adopt(rt, h)
+        rt.ready_deadline = time.monotonic() + spec.ready_timeout
+        log.debug("spawned", unit=rt.name, pid=h.pid, argv=list(spec.exec))
+        sup.feed(rt, E.SPAWNED, reason)
+
+    def _cgroup_done(self, rt: UnitRuntime) -> None:
+        if self.sup.cgroups:
+            self.sup.cgroups.release(rt.name)  # rmdir once nothing runs in it
+
+    def _watch_ready(self, rt: UnitRuntime, a: WatchReady, ctx: Ctx) -> None:
+        self._task(rt, "ready", self.sup.monitors.readiness(rt))
+
+    def _start_monitors(self, rt: UnitRuntime, a: StartMonitors, ctx: Ctx) -> None:
+        self.sup.monitors.start(rt)
+
+    # ------------------------------------------------------------ stop
+    def target(self, rt: UnitRuntime, h: ProcessHandle) -> Target:
+        """What of this unit the kill policy acts on: its cgroup, or its process group."""
+        sup = self.sup
+        cg = sup.cgroups.get(rt.name) if sup.cgroups else None
+        if cg is not None:
+            return CgroupTarget(rt.name, h, sup.token, cg)
+        # mains: a live view of the main processes (never orphans), not a copy per stop.
+        return ProcessGroupTarget(rt.name, h, sup.spawner.pid, sup.token, mains=sup.by_pid.keys(),
+                                  orphans=sup.tier_orphans)
+
+    def _termination(self, rt: UnitRuntime, ctx: Ctx) -> Termination:
+        w = self.of(rt)
+        if w.term is None:
+            assert rt.proc is not None, f"{rt.name}: a stop without a process"
+            w.term = Termination(self.target(rt, rt.proc))
+            w.term.rec.was = w.stop_from.value
+            if self.sup.gpu_on():
+                w.dead_pids = [rt.proc.pid, *(s.pid for s in w.term.target.members())]
+        return w.term
+
+    def _signal(self, rt: UnitRuntime, a: Signal, ctx: Ctx) -> None:
+        term = self._termination(rt, ctx)
+        sig = rt.spec.stop_signal if a.sig == "stop_signal" else int(getattr(signal, a.sig))
+        if term.t0 and sig == signal.SIGKILL:
+            term.escalate()
+        else:
+            term.begin(sig, a.cont)
+
+    def _arm_timer(self, rt: UnitRuntime, a: ArmTimer, ctx: Ctx) -> None:
+        spec = rt.spec
+        if a.which == "ready_timeout":
+            delay = max(0.0, rt.ready_deadline - time.monotonic())
+            detail = f"not ready after {spec.ready_timeout:g} s"
+        elif a.which == "stop_timeout":
+            delay, detail = spec.stop_timeout, ""
+        elif a.which == "kill_timeout":
+            delay, detail = spec.kill_timeout, ""
+        elif a.which == "capture_timeout":  # the capture bounds itself; this is the backstop
+            delay, detail = capture_budget(spec) + 0.5, "capture bound reached"
+        elif a.which == "capture_due":  # early enough that the capture ends by stop_timeout
+            delay, detail = spec.stop_timeout - min(capture_budget(spec), spec.stop_timeout / 2), ""
+        elif a.which == "drain_timeout":
+            delay, detail = getattr(spec, "drain_timeout", 30.0), "drain_timeout reached"
+        else:
+            raise ValueError(f"unknown timer {a.which!r}")
+        epoch = rt.epoch
+        loop = asyncio.get_running_loop()
+        self.of(rt).timers[a.which] = loop.call_later(delay, self._feed_if_current, rt, epoch,
+                                                       TIMER_EVENTS[a.which], detail)
+
+    def _watch_gone(self, rt: UnitRuntime, a: WatchGone, ctx: Ctx) -> None:
+        self._task(rt, "gone", self._gone_task(rt, self._termination(rt, ctx)))
+
+    async def _gone_task(self, rt: UnitRuntime, term: Termination) -> None:
+        await term.until_gone()  # bounded by the stop_timeout / kill_timeout timers
+        await term.sweep(rt.spec.kill_timeout)
+        if self.sup.cgroups:
+            self.sup.cgroups.release(rt.name)
+        self.sup.feed(rt, E.GONE)
+
+    def _capture(self, rt: UnitRuntime, a: Capture, ctx: Ctx) -> None:
+        if self.captures is None or rt.proc is None:
+            if a.feed:
+                self.sup.feed(rt, E.CAPTURED, "no capture")
+            return
+        epoch = rt.epoch
+        members = self._termination(rt, ctx).target.members()
+        self._task(rt, "capture" if a.feed else "capture-beside",
+                   self._capture_task(rt, epoch, rt.proc, members, a.feed))
+
+    async def _capture_task(self, rt: UnitRuntime, epoch: int, h: ProcessHandle, members: list, feed: bool) -> None:
+        summary = await self.captures.capture_unit(rt, h, members, budget_s=capture_budget(rt.spec))
+        rt.capture_summary = summary
+        if feed:
+            self._feed_if_current(rt, epoch, E.CAPTURED, summary)
+
+    def _drain(self, rt: UnitRuntime, a: Drain, ctx: Ctx) -> None:
+        if self.drains is None:
+            self.sup.feed(rt, E.DRAINED, "no drain hook")
+            return
+        epoch = rt.epoch
+        self._task(rt, "drain", self._drain_task(rt, epoch))
+
+    async def _drain_task(self, rt: UnitRuntime, epoch: int) -> None:
+        detail = await self.drains.drain(rt)
+        self._feed_if_current(rt, epoch, E.DRAINED, detail)
+
+    # ------------------------------------------------------------ failure and end
+    def _record_failure(self, rt: UnitRuntime, a: RecordFailure, ctx: Ctx) -> None:
+        what = ctx.detail
+        rt.last_exit = what
+        rt.cause_text = groups.without_pid(what)
+        rt.deaths += 1
+        if rt.spec.worker_group:
+            groups.member_failed(self.sup, rt, what)
+
+    def _decide_restart(self, rt: UnitRuntime, a: DecideRestart, ctx: Ctx) -> None:
+        sup, spec = self.sup, rt.spec
+        now = time.monotonic()
+        ran_for = (now - rt.active_since) if rt.active_since else None
+        rt.active_since = 0.0
+        f = policy.Failure(now=now, wanted=rt.goal.value == "active" and not sup.shutting_down, ran_for=ran_for,
+                           exec_errno=rt.spawn_errno, first_start=not rt.book.ever_up)
+        d = policy.decide(spec, rt.book, f)
+        if d.note:
+            rt.reason = f"{rt.reason}; {d.note}" if d.outcome is not policy.Outcome.COUNTED \
+                else f"{rt.reason} ({d.note})"
+        if d.outcome is policy.Outcome.AGAIN:
+            asyncio.get_running_loop().call_later(d.delay, sup.kick)
+
+    def _report_unkillable(self, rt: UnitRuntime, a: ReportUnkillable, ctx: Ctx) -> None:
+        w = self.of(rt)
+        survivors = w.term.unkillable() if w.term is not None else ["main process not reaped"]
+        rt.reason = f"{rt.reason}; UNKILLABLE: {'; '.join(survivors)}"
+
+    def _wait_release(self, rt: UnitRuntime, a: WaitRelease, ctx: Ctx) -> None:
+        w = self.of(rt)
+        pids, w.dead_pids = w.dead_pids, []
+        epoch = rt.epoch
+        self._task(rt, "release", self._release_task(rt, epoch, pids))
+
+    async def _release_task(self, rt: UnitRuntime, epoch: int, pids: list[int]) -> None:
+        ms, held = await self.sup.gpu_release(rt.name, pids, rt.spec.kill_timeout)
+        rt.gpu_release_ms, rt.gpu_held = ms, held
+        w = self.of(rt)
+        if w.term is not None:
+            w.term.rec.gpu_release_ms, w.term.rec.gpu_held = ms, list(held)
+        self._feed_if_current(rt, epoch, E.RELEASED)
+
+    def _release(self, rt: UnitRuntime, a: Release, ctx: Ctx) -> None:
+        """An inactive or failed unit holds no fd for its processes."""
+        w = self.of(rt)
+        if w.term is not None:
+            rt.last_stop = w.term.rec
+        h = rt.proc
+        if h is not None:
+            if h.exit_status is not None:
+                code, sig, what = linux.describe_wait_status(h.exit_status)
+                rt.last_exit_code, rt.last_signal = code, sig
+                if rt.cause is not None and rt.cause.value != "failure":
+                    rt.last_exit = f"{what} (pid {h.pid}, stopped)"
+            if w.exit_wait is not None:
+                w.exit_wait.cancel()
+                w.exit_wait = None
+            self.sup.disown(rt, h)
+        rt.output.detach()
+        self._cgroup_done(rt)
+
+    def _publish(self, rt: UnitRuntime, a: Publish, ctx: Ctx) -> None:
+        self.sup.published(rt, ctx.prev_state, ctx.event, ctx.pid)
+
+
+def capture_budget(spec: Any) -> float:
+    """How long stacks may be captured before a kill (unit key capture_timeout)."""
+    return float(getattr(spec, "capture_timeout", 3.0))
+
+

@@ -1,0 +1,441 @@
+"""The lifecycle of one unit as a table (after s6's `actions[state][event]`).
+
+`step(view, event)` is pure: no I/O, no asyncio, no clock. It answers, for one
+unit, what its next state and phase are and which actions to carry out. The
+supervisor's `feed` is the only caller; the executor carries the actions out
+and feeds each outcome back as an event (spawned, gone, timer fired...).
+
+A unit's public `state` is one of inactive/starting/active/stopping/failed; its
+`phase` says what it is doing within that state (a spawn in flight, capturing
+stacks before a kill, draining, signalled, killed, waiting for the GPU's memory
+to be freed). A (state, phase) pair is a *position*; every cell of TABLE is the
+whole decision for one position and one event. Cells that depend on the unit
+(does it drain, is the GPU checked, did processes outlive the main one) read the
+`View`. A pair missing from the table is illegal and answered with IllegalEvent.
+
+The legal state changes (`LEGAL`) and the diagram in omnid.unit(5) are derived
+from this table; nothing else lists transitions.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class UnitState(str, enum.Enum):
+    INACTIVE = "inactive"
+    STARTING = "starting"
+    ACTIVE = "active"
+    STOPPING = "stopping"
+    FAILED = "failed"
+
+
+class Goal(str, enum.Enum):
+    ACTIVE = "active"
+    INACTIVE = "inactive"
+
+
+class Phase(str, enum.Enum):
+    IDLE = "idle"  # nothing under way (starting: waiting for readiness; active: running)
+    SPAWNING = "spawning"  # inactive/failed: a spawn request is at the spawner
+    CAPTURING = "capturing"  # stopping: stacks captured before the first signal (a hung unit)
+    DRAINING = "draining"  # stopping: told to stop taking work, until idle or drain_timeout
+    SIGNALLED = "signalled"  # stopping: stop_signal sent; gone, or SIGKILL at stop_timeout
+    KILLED = "killed"  # stopping: SIGKILL sent; gone, or unkillable at kill_timeout
+    RELEASING = "releasing"  # stopping/failed: waiting until NVML shows the GPU memory freed
+
+
+class Cause(str, enum.Enum):
+    """Why a unit stops (state, never parsed from a reason)."""
+
+    REQUEST = "request"  # an operator's stop
+    SHUTDOWN = "shutdown"  # the whole stack stops (omnid stop, SIGTERM to the daemon)
+    REQUIREMENT = "requirement"  # a unit it requires is down
+    GROUP = "group"  # a member of its worker group failed (on this host or another)
+    FAILURE = "failure"  # it failed itself: ends in `failed`
+
+
+class Event(str, enum.Enum):
+    START_REQUESTED = "start_requested"  # converge: goal active, requirements up
+    RESTART_DUE = "restart_due"  # converge: failed, restart delay passed, requirements up
+    SPAWNED = "spawned"  # the spawner answered with pid + pidfd
+    SPAWN_FAILED = "spawn_failed"  # exec error, GPU held or faulty, EMFILE
+    READY = "ready"  # the readiness check passed
+    NOT_READY = "not_ready"  # ready_timeout fired, or the readiness check failed
+    EXITED = "exited"  # the main process is gone (pidfd readable, exit status in)
+    WATCHDOG_EXPIRED = "watchdog_expired"  # timer, or WATCHDOG=trigger
+    LIVENESS_FAILED = "liveness_failed"  # `failures` probes in a row
+    GPU_FAULT = "gpu_fault"  # a critical Xid on one of the unit's GPUs
+    STOP_REQUESTED = "stop_requested"  # converge: goal inactive
+    DEPENDENCY_DOWN = "dependency_down"  # converge: a required unit is down
+    GROUP_DOWN = "group_down"  # converge: the worker group's generation is down
+    CAPTURE_DUE = "capture_due"  # timer: still alive shortly before stop_timeout
+    CAPTURED = "captured"  # the capture ended (done or its bound passed)
+    DRAINED = "drained"  # the unit said it is idle, or drain_timeout fired
+    STOP_TIMEOUT = "stop_timeout"  # timer
+    KILL_TIMEOUT = "kill_timeout"  # timer: SIGKILL sent kill_timeout ago, not gone
+    GONE = "gone"  # kernel's proof: main reaped, group/cgroup empty, escapees swept
+    RELEASED = "released"  # NVML shows the pids' GPU memory freed, or the bound passed
+    INTERNAL_ERROR = "internal_error"  # a handler working for this unit crashed (a bug)
+
+
+# ------------------------------------------------------------------ actions
+@dataclass(frozen=True)
+class CountStart:
+    """Count the start against the start limit (a worker group's generation counts once)."""
+
+
+@dataclass(frozen=True)
+class Spawn:
+    pass
+
+
+@dataclass(frozen=True)
+class Signal:
+    sig: str  # "stop_signal" (the unit's own), "SIGKILL"
+    cont: bool = False  # SIGCONT after it, so a stopped process can act on it
+
+
+@dataclass(frozen=True)
+class ArmTimer:
+    which: str  # the event it feeds: ready_timeout -> NOT_READY, stop_timeout, kill_timeout, capture_timeout ->
+    #           CAPTURED, capture_due -> CAPTURE_DUE, drain_timeout -> DRAINED
+
+
+@dataclass(frozen=True)
+class WatchGone:
+    """Wait for the kernel's proof that nothing of the unit runs; sweep escapees; feed GONE."""
+
+
+@dataclass(frozen=True)
+class WatchReady:
+    """Run the readiness check; feed READY or NOT_READY."""
+
+
+@dataclass(frozen=True)
+class StartMonitors:
+    """Watchdog and liveness, while active."""
+
+
+@dataclass(frozen=True)
+class Capture:
+    """Capture every process's stacks, bounded in time (capture_timeout); with `feed`, feed
+    CAPTURED when done (before the first signal); without, it runs beside the stop."""
+
+    feed: bool = True
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Tell the unit to stop taking work (its `drain` hook); feed DRAINED when idle."""
+
+
+@dataclass(frozen=True)
+class RecordFailure:
+    """Remember what failed (last exit, cause for dependents, the worker group's down reason)."""
+
+
+@dataclass(frozen=True)
+class DecideRestart:
+    """Ask the restart policy: again after a delay, or not (restart = no, start limit)."""
+
+
+@dataclass(frozen=True)
+class ReportUnkillable:
+    pass
+
+
+@dataclass(frozen=True)
+class WaitRelease:
+    """Wait (bounded) until the dead pids hold no GPU memory; feed RELEASED."""
+
+
+@dataclass(frozen=True)
+class Release:
+    """Close the pidfd and the output pipes: an inactive or failed unit holds no fd."""
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Log the state change, publish it on the event socket, wake waiters."""
+
+
+Action = (CountStart | Spawn | Signal | ArmTimer | WatchGone | WatchReady | StartMonitors | Capture | Drain
+          | RecordFailure | DecideRestart | ReportUnkillable | WaitRelease | Release | Publish)
+ACTION_TYPES: tuple[type, ...] = (CountStart, Spawn, Signal, ArmTimer, WatchGone, WatchReady, StartMonitors,
+                                  Capture, Drain, RecordFailure, DecideRestart, ReportUnkillable, WaitRelease,
+                                  Release, Publish)
+
+
+@dataclass(frozen=True)
+class View:
+    """What step needs to know of a unit besides its position."""
+
+    name: str
+    state: UnitState
+    phase: Phase = Phase.IDLE
+    goal: Goal = Goal.ACTIVE
+    cause: Cause | None = None  # in STOPPING: why it stops
+    leftovers: bool = False  # on EXITED: the kernel cannot prove the unit empty yet
+    gpu: bool = False  # GPU memory of its pids is checked after it ends
+    capture: bool = False  # stacks are captured before a hung unit is killed
+    drain: bool = False  # it has a drain hook
+    shutting_down: bool = False  # the whole stack is stopping
+
+
+@dataclass(frozen=True)
+class Step:
+    state: UnitState
+    phase: Phase
+    actions: tuple[Action, ...] = ()
+    cause: Cause | None = None  # set when a stop begins
+
+
+class IllegalEvent(RuntimeError):
+    def __init__(self, unit: str, state: UnitState, phase: Phase, event: Event) -> None:
+        where = state.value if phase is Phase.IDLE else f"{state.value}/{phase.value}"
+        super().__init__(f"{unit}: event {event.value} is illegal in state {where}")
+        self.unit, self.state, self.phase, self.event = unit, state, phase, event
+
+
+S, P, E = UnitState, Phase, Event
+
+
+# ------------------------------------------------------------------ cells
+# A cell is a Step, or a function of the View returning one.
+def _same(v: View) -> Step:
+    """The event changes nothing in this position (a stop already under way, say)."""
+    return Step(v.state, v.phase)
+
+
+def _signalled(v: View, cause: Cause, *, cont: bool, capture: bool, first: tuple = ()) -> Step:
+    """stop_signal to everything of the unit, SIGKILL at stop_timeout; with capture on, the
+    stacks are taken shortly before stop_timeout if it is still alive then (never later)."""
+    due = (ArmTimer("capture_due"),) if capture and v.capture else ()
+    return Step(S.STOPPING, P.SIGNALLED, (*first, Signal("stop_signal", cont=cont), ArmTimer("stop_timeout"), *due,
+                                         WatchGone()), cause)
+
+
+def _stop(cause: Cause | None) -> Callable[[View], Step]:
+    """A stop begins: a planned stop of a serving unit with a drain hook drains first; then
+    stop_signal + SIGCONT (so a stopped process can act on it). None: an operator's stop."""
+
+    def cell(v: View) -> Step:
+        why = cause or (Cause.SHUTDOWN if v.shutting_down else Cause.REQUEST)
+        if v.drain and v.state is S.ACTIVE and why in (Cause.REQUEST, Cause.SHUTDOWN):
+            return Step(S.STOPPING, P.DRAINING, (Publish(), Drain(), ArmTimer("drain_timeout")), why)
+        return _signalled(v, why, cont=True, capture=True, first=(Publish(),))
+
+    return cell
+
+
+def _drained(v: View) -> Step:
+    return _signalled(v, v.cause or Cause.REQUEST, cont=True, capture=True)
+
+
+def _drain_cut(cause: Cause) -> Callable[[View], Step]:
+    """A requirement or the group went down while draining: its requests must fail fast now."""
+    return lambda v: _signalled(v, cause, cont=True, capture=False)
+
+
+def _hung(v: View) -> Step:
+    """Alive but failed (watchdog, liveness, readiness): stacks first (bounded), then the stop
+    signal without SIGCONT: a stopped process stays stopped and is SIGKILLed at stop_timeout."""
+    if v.capture:
+        return Step(S.STOPPING, P.CAPTURING, (RecordFailure(), Publish(), Capture(), ArmTimer("capture_timeout")),
+                    Cause.FAILURE)
+    return _signalled(v, Cause.FAILURE, cont=False, capture=False, first=(RecordFailure(), Publish()))
+
+
+def _captured(v: View) -> Step:
+    return _signalled(v, Cause.FAILURE, cont=False, capture=False)
+
+
+def _broken(v: View) -> Step:
+    """A faulty GPU, or a bug in a handler working for the unit: stop it, no stacks wanted."""
+    return _signalled(v, Cause.FAILURE, cont=False, capture=False, first=(RecordFailure(), Publish()))
+
+
+def _ended(v: View) -> Step:
+    """Nothing of the unit runs any more (or what does is unkillable): inactive, or failed."""
+    if v.cause is Cause.FAILURE:
+        if v.gpu:  # `failed` is published first; a restart waits for the GPU's memory
+            return Step(S.FAILED, P.RELEASING, (Release(), DecideRestart(), Publish(), WaitRelease()))
+        return Step(S.FAILED, P.IDLE, (Release(), DecideRestart(), Publish()))
+    if v.gpu:  # the stop summary says when the GPU memory was freed
+        return Step(S.STOPPING, P.RELEASING, (WaitRelease(),))
+    return Step(S.INACTIVE, P.IDLE, (Release(), Publish()))
+
+
+def _exited(v: View) -> Step:
+    """The main process exited while nobody asked: `failed` once the kernel proves the unit
+    empty; what outlived the main process is SIGKILLed first (a half-dead unit never lingers)."""
+    if v.leftovers:
+        return Step(S.STOPPING, P.KILLED, (RecordFailure(), Publish(), Signal("SIGKILL"), ArmTimer("kill_timeout"),
+                                           WatchGone()), Cause.FAILURE)
+    end = _ended(View(v.name, v.state, v.phase, v.goal, Cause.FAILURE, gpu=v.gpu))
+    return Step(end.state, end.phase, (RecordFailure(), *end.actions), Cause.FAILURE)
+
+
+def _unkillable(v: View) -> Step:
+    end = _ended(v)
+    return Step(end.state, end.phase, (ReportUnkillable(), *end.actions))
+
+
+def _escalate(v: View) -> Step:
+    """stop_timeout passed: SIGKILL (cgroup.kill); WatchGone goes on watching."""
+    return Step(S.STOPPING, P.KILLED, (Signal("SIGKILL"), ArmTimer("kill_timeout")))
+
+
+def _kill_rest(v: View) -> Step:
+    """The main process died while its stacks were captured, or a handler broke mid-stop."""
+    return Step(S.STOPPING, P.KILLED, (Signal("SIGKILL"), ArmTimer("kill_timeout"), WatchGone()))
+
+
+def _kill_after_bug(v: View) -> Step:
+    return Step(S.STOPPING, P.KILLED, (RecordFailure(), Signal("SIGKILL"), ArmTimer("kill_timeout"), WatchGone()),
+                Cause.FAILURE)
+
+
+def _capture_beside(v: View) -> Step:
+    return Step(v.state, v.phase, (Capture(feed=False),) if v.capture else ())
+
+
+_SPAWN = Step(S.INACTIVE, P.SPAWNING, (CountStart(), Spawn()))
+_RESPAWN = Step(S.FAILED, P.SPAWNING, (CountStart(), Spawn()))
+_STARTED = Step(S.STARTING, P.IDLE, (Publish(), ArmTimer("ready_timeout"), WatchReady()))
+_SPAWN_FAILED = Step(S.FAILED, P.IDLE, (RecordFailure(), Release(), DecideRestart(), Publish()))
+_DOWN = (E.STOP_REQUESTED, E.DEPENDENCY_DOWN, E.GROUP_DOWN)
+
+Cell = Step | Callable[[View], Step]
+
+
+def _rows() -> dict[tuple[UnitState, Phase, Event], Cell]:
+    t: dict[tuple[UnitState, Phase, Event], Cell] = {}
+
+    def ignore(state: UnitState, phase: Phase, *events: Event) -> None:
+        for ev in events:
+            t[(state, phase, ev)] = _same
+
+    # inactive: nothing runs
+    t[(S.INACTIVE, P.IDLE, E.START_REQUESTED)] = _SPAWN
+    ignore(S.INACTIVE, P.IDLE, *_DOWN)
+    # a spawn is at the spawner: it cannot be taken back; converge stops the unit once spawned
+    for st in (S.INACTIVE, S.FAILED):
+        t[(st, P.SPAWNING, E.SPAWNED)] = _STARTED
+        t[(st, P.SPAWNING, E.SPAWN_FAILED)] = _SPAWN_FAILED
+        ignore(st, P.SPAWNING, *_DOWN)
+    # starting: the process lives, readiness pending
+    t[(S.STARTING, P.IDLE, E.READY)] = Step(S.ACTIVE, P.IDLE, (Publish(), StartMonitors()))
+    t[(S.STARTING, P.IDLE, E.NOT_READY)] = _hung
+    # starting and active alike
+    for st in (S.STARTING, S.ACTIVE):
+        t[(st, P.IDLE, E.EXITED)] = _exited
+        t[(st, P.IDLE, E.STOP_REQUESTED)] = _stop(None)
+        t[(st, P.IDLE, E.DEPENDENCY_DOWN)] = _stop(Cause.REQUIREMENT)
+        t[(st, P.IDLE, E.GROUP_DOWN)] = _stop(Cause.GROUP)
+        t[(st, P.IDLE, E.GPU_FAULT)] = _broken
+        t[(st, P.IDLE, E.INTERNAL_ERROR)] = _broken
+    t[(S.ACTIVE, P.IDLE, E.WATCHDOG_EXPIRED)] = _hung
+    t[(S.ACTIVE, P.IDLE, E.LIVENESS_FAILED)] = _hung
+    # stopping, capturing the stacks of a hung unit (bounded by capture_timeout)
+    t[(S.STOPPING, P.CAPTURING, E.CAPTURED)] = _captured
+    t[(S.STOPPING, P.CAPTURING, E.EXITED)] = _kill_rest
+    t[(S.STOPPING, P.CAPTURING, E.INTERNAL_ERROR)] = _kill_rest
+    ignore(S.STOPPING, P.CAPTURING, *_DOWN, E.GPU_FAULT)
+    # stopping, draining (a planned stop of a serving unit)
+    t[(S.STOPPING, P.DRAINING, E.DRAINED)] = _drained
+    t[(S.STOPPING, P.DRAINING, E.EXITED)] = _drained
+    t[(S.STOPPING, P.DRAINING, E.DEPENDENCY_DOWN)] = _drain_cut(Cause.REQUIREMENT)
+    t[(S.STOPPING, P.DRAINING, E.GROUP_DOWN)] = _drain_cut(Cause.GROUP)
+    t[(S.STOPPING, P.DRAINING, E.GPU_FAULT)] = _broken
+    t[(S.STOPPING, P.DRAINING, E.INTERNAL_ERROR)] = _kill_after_bug
+    ignore(S.STOPPING, P.DRAINING, E.STOP_REQUESTED)
+    # stopping, signalled: gone, or SIGKILL at stop_timeout
+    t[(S.STOPPING, P.SIGNALLED, E.GONE)] = _ended
+    t[(S.STOPPING, P.SIGNALLED, E.STOP_TIMEOUT)] = _escalate
+    t[(S.STOPPING, P.SIGNALLED, E.CAPTURE_DUE)] = _capture_beside
+    t[(S.STOPPING, P.SIGNALLED, E.INTERNAL_ERROR)] = _kill_after_bug
+    ignore(S.STOPPING, P.SIGNALLED, E.EXITED, *_DOWN, E.GPU_FAULT)  # EXITED: the group may live on
+    # stopping, killed: gone, or unkillable at kill_timeout
+    t[(S.STOPPING, P.KILLED, E.GONE)] = _ended
+    t[(S.STOPPING, P.KILLED, E.KILL_TIMEOUT)] = _unkillable
+    t[(S.STOPPING, P.KILLED, E.INTERNAL_ERROR)] = _unkillable  # the kill path itself broke: give up, loudly
+    ignore(S.STOPPING, P.KILLED, E.EXITED, *_DOWN, E.GPU_FAULT)
+    # stopping, releasing: nothing runs; the stop summary waits for the GPU's memory (bounded)
+    t[(S.STOPPING, P.RELEASING, E.RELEASED)] = Step(S.INACTIVE, P.IDLE, (Release(), Publish()))
+    t[(S.STOPPING, P.RELEASING, E.INTERNAL_ERROR)] = Step(S.INACTIVE, P.IDLE, (Release(), Publish()))
+    ignore(S.STOPPING, P.RELEASING, *_DOWN, E.GPU_FAULT)
+    # failed: nothing runs; the restart policy or an operator starts it again
+    t[(S.FAILED, P.IDLE, E.START_REQUESTED)] = _RESPAWN
+    t[(S.FAILED, P.IDLE, E.RESTART_DUE)] = _RESPAWN
+    t[(S.FAILED, P.IDLE, E.STOP_REQUESTED)] = Step(S.INACTIVE, P.IDLE, (Publish(),))  # an operator's stop clears it
+    ignore(S.FAILED, P.IDLE, E.DEPENDENCY_DOWN, E.GROUP_DOWN)
+    # failed, releasing: `failed` is published; no restart until the GPU's memory is freed
+    t[(S.FAILED, P.RELEASING, E.RELEASED)] = Step(S.FAILED, P.IDLE)
+    t[(S.FAILED, P.RELEASING, E.INTERNAL_ERROR)] = Step(S.FAILED, P.IDLE)
+    ignore(S.FAILED, P.RELEASING, *_DOWN)
+    return t
+
+
+TABLE: dict[tuple[UnitState, Phase, Event], Cell] = _rows()
+POSITIONS: tuple[tuple[UnitState, Phase], ...] = tuple(dict.fromkeys((s, p) for s, p, _e in TABLE))
+
+
+def step(view: View, event: Event) -> Step:
+    """The next position of one unit and what to do about it. Pure."""
+    cell = TABLE.get((view.state, view.phase, event))
+    if cell is None:
+        raise IllegalEvent(view.name, view.state, view.phase, event)
+    return cell if isinstance(cell, Step) else cell(view)
+
+
+def _views(state: UnitState, phase: Phase) -> list[View]:
+    """Every View that can change a cell's answer, for the derived tables below."""
+    out = []
+    for cause in (None, *Cause):
+        for flags in range(16):
+            out.append(View("?", state, phase, cause=cause, leftovers=bool(flags & 1), gpu=bool(flags & 2),
+                            capture=bool(flags & 4), drain=bool(flags & 8)))
+            out.append(View("?", state, phase, cause=cause, leftovers=bool(flags & 1), gpu=bool(flags & 2),
+                            capture=bool(flags & 4), drain=bool(flags & 8), shutting_down=True))
+    return out
+
+
+def _derive_legal() -> dict[UnitState, frozenset[UnitState]]:
+    legal: dict[UnitState, set[UnitState]] = {s: set() for s in S}
+    for (st, ph, ev) in TABLE:
+        for v in _views(st, ph):
+            new = step(v, ev).state
+            if new is not st:
+                legal[st].add(new)
+    legal[S.FAILED].add(S.FAILED)  # failed -> failed: an automatic restart whose spawn failed again
+    return {s: frozenset(n) for s, n in legal.items()}
+
+
+# The state changes the table allows: what the invariant check and the docs hold it to.
+LEGAL: dict[UnitState, frozenset[UnitState]] = _derive_legal()
+
+
+def legal(state: UnitState, phase: Phase, event: Event) -> bool:
+    return (state, phase, event) in TABLE
+
+
+def diagram() -> list[str]:
+    """Every state change the table allows, one line each: `from --event--> to`."""
+    lines = []
+    for st in S:
+        for ev in E:
+            outs: set[UnitState] = set()
+            for ph in P:
+                if (st, ph, ev) not in TABLE:
+                    continue
+                for v in _views(st, ph):
+                    new = step(v, ev).state
+                    if new is not st:
+                        outs.add(new)
+            for new in sorted(outs, key=list(S).index):
+                lines.append(f"{st.value:<9} --{ev.value}--> {new.value}")
+    return lines

@@ -1,0 +1,196 @@
+"""Watching a unit's process: readiness while `starting`, the sd_notify watchdog and the
+liveness probe while `active`, and the notify messages themselves. Monitors only
+report facts -- READY, NOT_READY, WATCHDOG_EXPIRED, LIVENESS_FAILED -- by feeding
+them to the supervisor; the lifecycle table decides what follows. Every monitor is a
+task of the executor's (a crash becomes the unit's INTERNAL_ERROR)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from omnid import linux, probes
+from omnid.core.lifecycle import Event, Phase, UnitState
+from omnid.core.runtime import UnitRuntime
+from omnid.process import DAEMON_TAG, UNIT_TAG
+from omnid.units import ReadyKind
+from omnid.core.centre import Centre
+
+
+log = structlog.get_logger("omnid.supervisor")
+S, E = UnitState, Event
+EARLY_NOTIFY_MAX = 4096  # sessions whose notify came before their spawn reply, at most
+
+
+class Monitors:
+    def __init__(self, sup: Centre) -> None:
+        self.sup = sup
+        self._watchdogs: dict[str, asyncio.TimerHandle] = {}
+        # session id -> notify messages that arrived before the spawner's reply with its pid
+        self.early: dict[int, list[dict[str, str]]] = {}
+        self._senders: dict[int, tuple[str | None, float]] = {}  # notify sender pid -> (unit, valid until)
+
+    # ------------------------------------------------------------ readiness
+    async def readiness(self, rt: UnitRuntime) -> None:
+        """Until ready (feeds READY) or the check itself fails (feeds NOT_READY); the
+        ready_timeout timer bounds it."""
+        ready = rt.spec.ready
+        if ready.kind is ReadyKind.STARTED:
+            self._ready(rt)
+            return
+        if ready.kind is ReadyKind.NOTIFY:
+            if rt.notified_ready:
+                self._ready(rt)
+            return  # READY=1 feeds it (on_notify)
+        delay, last = 0.02, ""
+        while True:
+            try:
+                if ready.kind is ReadyKind.HTTP:
+                    await probes.http_probe(ready.url, timeout=2.0)
+                else:
+                    await probes.tcp_probe(ready.host, ready.port, timeout=2.0)
+                break
+            except probes.ProbeFailed as exc:
+                if str(exc) != last:
+                    log.debug("not ready yet", unit=rt.name, probe=str(exc))
+                    last = str(exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.25)
+        self._ready(rt)
+
+    def _ready(self, rt: UnitRuntime) -> None:
+        if rt.state is S.STARTING and rt.phase is Phase.IDLE:
+            self.sup.feed(rt, E.READY, "started" if rt.spec.ready.kind is ReadyKind.STARTED else "ready")
+
+    # ------------------------------------------------------------ while active
+    def start(self, rt: UnitRuntime) -> None:
+        if rt.spec.watchdog_sec > 0 and rt.spec.ready.kind is ReadyKind.NOTIFY:
+            rt.watchdog_last = time.monotonic()
+            self._arm_watchdog(rt)
+        if rt.spec.liveness is not None:
+            self.sup.executor._task(rt, "liveness", self._liveness(rt))
+
+    def stop(self, rt: UnitRuntime) -> None:
+        t = self._watchdogs.pop(rt.name, None)
+        if t is not None:
+            t.cancel()
+        task = self.sup.executor.of(rt).tasks.pop("liveness", None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    def restart(self, rt: UnitRuntime, keep_watchdog_off: bool = False) -> None:
+        """New monitor settings for an active unit (reload): the watchdog counts from now."""
+        self.stop(rt)
+        if keep_watchdog_off:
+            if rt.spec.liveness is not None:
+                self.sup.executor._task(rt, "liveness", self._liveness(rt))
+            return
+        self.start(rt)
+
+    def _arm_watchdog(self, rt: UnitRuntime) -> None:
+        old = self._watchdogs.pop(rt.name, None)
+        if old is not None:
+            old.cancel()
+        self._watchdogs[rt.name] = asyncio.get_running_loop().call_later(rt.spec.watchdog_sec, self._expired, rt)
+
+    def _expired(self, rt: UnitRuntime) -> None:
+        self._watchdogs.pop(rt.name, None)
+        if rt.state is S.ACTIVE and rt.phase is Phase.IDLE:
+            silent = time.monotonic() - rt.watchdog_last
+            self.sup.feed(rt, E.WATCHDOG_EXPIRED, f"watchdog: no ping for {silent:.1f} s")
+
+    async def _liveness(self, rt: UnitRuntime) -> None:
+        probe = rt.spec.liveness
+        assert probe is not None
+        failures = 0
+        while rt.state is S.ACTIVE:
+            await asyncio.sleep(probe.interval)
+            try:
+                await probes.http_probe(probe.url, probe.timeout)
+                failures = 0
+                continue
+            except probes.ProbeFailed as exc:
+                why = str(exc)
+            except Exception as exc:  # noqa: BLE001 - any probe error is a failed probe, never a dead monitor
+                why = f"GET {probe.url}: {type(exc).__name__}: {exc}"
+            failures += 1
+            log.warning("liveness probe failed", unit=rt.name, error=why, count=failures, of=probe.failures)
+            if failures >= probe.failures and rt.state is S.ACTIVE and rt.phase is Phase.IDLE:
+                self.sup.feed(rt, E.LIVENESS_FAILED, f"liveness: {why} ({failures}/{probe.failures})")
+                return
+
+    # ------------------------------------------------------------ sd_notify
+    def sender_unit(self, pid: int) -> str | None:
+        """The unit whose own process sent a notify datagram (by process group or session),
+        or None: anyone else's message is dropped by the notify socket."""
+        now = time.monotonic()
+        hit = self._senders.get(pid)
+        if hit is not None and hit[1] > now:
+            return hit[0]  # a flood costs one /proc read per sender per second, not per datagram
+        unit = self._attribute(pid)
+        if len(self._senders) > 4096:
+            self._senders.clear()
+        self._senders[pid] = (unit, now + 1.0)
+        return unit
+
+    def _attribute(self, pid: int) -> str | None:
+        st = linux.read_stat(pid)
+        if st is None:
+            return None
+        pending = False
+        for rt in self.sup.units.values():
+            if rt.proc is not None:
+                if rt.proc.pgid in (st.pgid, st.sid):
+                    return rt.name
+            elif rt.phase is Phase.SPAWNING:
+                pending = True
+        if pending:
+            # READY=1 can come before the spawner's reply: the environment proves it ours.
+            tag = linux.read_environ_var(pid, UNIT_TAG)
+            if tag in self.sup.units and linux.read_environ_var(pid, DAEMON_TAG) == self.sup.token:
+                return tag
+        return None
+
+    def on_notify(self, sender_pid: int, fields: dict[str, str]) -> str | None:
+        """An sd_notify message from sender_pid; returns the unit it was attributed to."""
+        st = linux.read_stat(sender_pid)
+        if st is None:
+            return None
+        for rt in self.sup.units.values():
+            if rt.proc is not None and rt.proc.pgid in (st.pgid, st.sid):
+                self.apply(rt, fields)
+                return rt.name
+        # A unit can say READY=1 before the spawner's reply with its pid has been read:
+        # hold the message for a unit of ours whose spawn is in flight.
+        tag = linux.read_environ_var(sender_pid, UNIT_TAG)
+        pending = self.sup.units.get(tag) if tag else None
+        if pending is not None and pending.proc is None and pending.phase is Phase.SPAWNING \
+                and linux.read_environ_var(sender_pid, DAEMON_TAG) == self.sup.token:
+            if len(self.early) >= EARLY_NOTIFY_MAX:
+                self.early.pop(next(iter(self.early)))
+            self.early.setdefault(st.sid, []).append(fields)
+            return pending.name
+        log.warning("notify message from a pid in no unit's process group; ignored",
+                    pid=sender_pid, fields=sorted(fields))
+        return None
+
+    def apply(self, rt: UnitRuntime, fields: dict[str, str]) -> None:
+        if "MAINPID" in fields and fields["MAINPID"] != str(rt.proc.pid if rt.proc else ""):
+            log.warning("notify MAINPID ignored: omnid tracks the process it spawned", unit=rt.name,
+                        mainpid=fields["MAINPID"])
+        if "STATUS" in fields:
+            rt.status_text = fields["STATUS"]
+        if fields.get("STOPPING") == "1":
+            rt.stopping_notified = True
+        if fields.get("READY") == "1":
+            rt.notified_ready = True
+            if rt.spec.ready.kind is ReadyKind.NOTIFY and rt.proc is not None:
+                self._ready(rt)
+        if fields.get("WATCHDOG") == "1":
+            rt.watchdog_last = time.monotonic()
+            if rt.name in self._watchdogs:
+                self._arm_watchdog(rt)
+        elif fields.get("WATCHDOG") == "trigger" and rt.state is S.ACTIVE and rt.phase is Phase.IDLE:
+            self.sup.feed(rt, E.WATCHDOG_EXPIRED, "watchdog: unit asked to be killed (WATCHDOG=trigger)")

@@ -1,0 +1,219 @@
+"""`omnid reload`: apply an edited stack directory to a running one, changing only what
+changed (omnid(8), RELOAD). A GPU stack takes minutes to load: a needless restart is
+an outage, so each unit instance is compared key by key:
+
+- added: started;
+- removed: stopped, in reverse dependency order, with its own stop settings;
+- restarted: a key that shapes the process changed (exec, env, cwd, user, group,
+  limits, gpus, title, numa, cgroup limits, worker-group keys and membership): stopped
+  and started with the new definition; units that require it follow as after any
+  restart;
+- updated: only supervision settings changed: it keeps running (same pid) and the new
+  settings apply from now on;
+- unchanged: not touched.
+
+`plan` is pure; `Reloader.apply` carries a plan out on the supervisor: the updated
+specs first (so that a unit no longer requiring a removed one is not taken down with
+it), then the stops, then the new stack, then the starts, waiting like `restart`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from omnid.core.centre import Centre
+from omnid.core.lifecycle import Goal, UnitState
+from omnid.core.runtime import RestartBook, UnitRuntime
+from omnid.output import UnitOutput
+from omnid.units import ReadyKind, Stack
+from omnid.units import Unit as UnitSpec
+
+log = structlog.get_logger("omnid.reload")
+S = UnitState
+
+# Keys that say who a unit instance is, not what it runs.
+_IDENTITY = frozenset({"name", "template", "instance", "instances", "file"})
+# Keys that only say how omnid supervises a running process: changed in place.
+SUPERVISION_KEYS = frozenset({
+    "description", "role", "restart", "restart_sec", "restart_max_sec", "start_limit_burst",
+    "start_limit_interval", "ready_timeout", "stop_timeout", "kill_timeout", "drain_timeout", "capture_timeout",
+    "watchdog_sec", "liveness", "ready", "after", "requires", "gpu_min_free_mib", "stop_signal", "drain",
+})
+# Daemon settings a running daemon cannot change (its sockets, files and cgroup root).
+FIXED_SETTINGS = ("control", "state_dir", "health_listen", "cgroup_root", "log_format")
+
+
+@dataclass(frozen=True)
+class Plan:
+    added: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    restarted: dict[str, list[str]] = field(default_factory=dict)  # unit -> the keys that changed
+    updated: dict[str, list[str]] = field(default_factory=dict)
+    unchanged: list[str] = field(default_factory=list)
+    settings: list[dict[str, Any]] = field(default_factory=list)  # omnid.toml changes, and what applies them
+    notes: dict[str, str] = field(default_factory=dict)  # unit -> a caveat for the operator
+
+    def to_json(self) -> dict[str, Any]:
+        return {"added": list(self.added), "removed": list(self.removed), "restarted": sorted(self.restarted),
+                "updated": sorted(self.updated), "unchanged": list(self.unchanged),
+                "changes": {**self.restarted, **self.updated}, "settings": list(self.settings),
+                "notes": dict(self.notes)}
+
+    @property
+    def empty(self) -> bool:
+        return not (self.added or self.removed or self.restarted or self.updated)
+
+
+def changed_keys(old: UnitSpec, new: UnitSpec) -> list[str]:
+    out = []
+    for f in dataclasses.fields(old):
+        if f.name in _IDENTITY:
+            continue
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if f.name == "env":
+            a, b = dict(a), dict(b)
+        if a != b:
+            out.append(f.name)
+    return out
+
+
+def plan(old: Stack, new: Stack, sources: dict[str, str] | None = None) -> Plan:
+    """What a reload from `old` to `new` does, unit instance by unit instance. `sources`
+    ({setting: "flag" | "env" | "omnid.toml" | "default"}) says where each daemon setting
+    came from, so that an omnid.toml change that a flag overrides is reported as such."""
+    p = Plan()
+    for name in new.units:
+        if name not in old.units:
+            p.added.append(name)
+    for name in old.units:
+        if name not in new.units:
+            p.removed.append(name)
+            continue
+        keys = changed_keys(old.units[name], new.units[name])
+        if old.group_members(name) != new.group_members(name) and old.units[name].worker_group:
+            keys.append("worker_group members")
+        if not keys:
+            p.unchanged.append(name)
+        elif any(k not in SUPERVISION_KEYS for k in keys):
+            p.restarted[name] = keys
+        else:
+            p.updated[name] = keys
+            note = _watchdog_note(old.units[name], new.units[name])
+            if note:
+                p.notes[name] = note
+    # A member of a worker group restarts its whole group (its ranks are one job).
+    for name in list(p.restarted):
+        for m in new.group_members(name):
+            if m in p.updated or m in p.unchanged:
+                p.restarted[m] = p.updated.pop(m, []) + [f"worker group member {name} restarts"]
+                if m in p.unchanged:
+                    p.unchanged.remove(m)
+    for key in FIXED_SETTINGS:
+        a, b = getattr(old.settings, key, None), getattr(new.settings, key, None)
+        if a != b:
+            origin = (sources or {}).get(key, "omnid.toml")
+            applies = ("no effect: set by the " + origin) if origin in ("flag", "env") else \
+                "needs a restart of the daemon (omnid reexec keeps the running daemon's sockets and files)"
+            p.settings.append({"key": key, "from": _str(a), "to": _str(b), "applies": applies})
+    return p
+
+
+def _watchdog_note(old: UnitSpec, new: UnitSpec) -> str:
+    gains_notify = old.ready.kind is not ReadyKind.NOTIFY and new.ready.kind is ReadyKind.NOTIFY
+    if gains_notify and new.watchdog_sec > 0:
+        return ("watchdog_sec applies from its next start: the running process was started without "
+                "NOTIFY_SOCKET and cannot ping")
+    if old.watchdog_sec > 0 and 0 < new.watchdog_sec < old.watchdog_sec:
+        return (f"the running process keeps the WATCHDOG_USEC it was started with ({old.watchdog_sec:g} s); "
+                f"a shorter watchdog_sec ({new.watchdog_sec:g} s) may expire before its next ping")
+    return ""
+
+
+def _str(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
+class ReloadError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class Reloader:
+    """One reload at a time; none while the stack stops."""
+
+    def __init__(self, sup: Centre) -> None:
+        self.sup = sup
+        self.running_since: float | None = None
+
+    async def apply(self, new: Stack, p: Plan, timeout: float | None) -> list[dict]:
+        sup = self.sup
+        if sup.shutting_down:
+            raise ReloadError("shutting_down", "the stack is stopping; reload refused (nothing changed)")
+        if self.running_since is not None:
+            raise ReloadError("busy", f"a reload is already being applied (for "
+                                      f"{time.monotonic() - self.running_since:.1f} s); try again when it is done")
+        self.running_since = time.monotonic()
+        try:
+            return await self._apply(new, p, timeout)
+        finally:
+            self.running_since = None
+
+    async def _apply(self, new: Stack, p: Plan, timeout: float | None) -> list[dict]:
+        sup = self.sup
+        deadline = None if timeout is None else time.monotonic() + timeout
+        log.info("reload", added=p.added, removed=p.removed, restarted=sorted(p.restarted), updated=sorted(p.updated))
+        for name in p.updated:  # first: a unit that stops requiring a removed one must not stop with it
+            self._update(sup.units[name], new.units[name], p.notes.get(name, ""))
+        took_down = sup.requests.dependents_up(list(p.restarted))
+        stopping = [*p.removed, *p.restarted]
+        if stopping:
+            await sup.requests.stop_units(stopping, timeout)
+        self._swap(new, p)
+        starting = [*p.added, *p.restarted]
+        for name in starting:
+            sup.units[name].goal = Goal.ACTIVE
+        back = [n for n in sup.order if n in starting or n in took_down]
+        if not back:
+            return []
+        left = None if deadline is None else max(0.1, deadline - time.monotonic())
+        return await sup.requests.start_units(back, left)
+
+    def _update(self, rt: UnitRuntime, spec: UnitSpec, note: str) -> None:
+        """New supervision settings for a running unit: from now on, same process."""
+        old = rt.spec
+        rt.spec = spec
+        if rt.state is S.ACTIVE and (old.liveness != spec.liveness or old.watchdog_sec != spec.watchdog_sec):
+            self.sup.monitors.restart(rt, keep_watchdog_off=bool(note) and "next start" in note)
+
+    def _swap(self, new: Stack, p: Plan) -> None:
+        """The new stack is in force: runtimes for added units, new specs for restarted ones,
+        removed ones forgotten (they are stopped: no fd is held for them)."""
+        sup = self.sup
+        old_units = sup.units
+        books: dict[str, RestartBook] = {}
+        for g, members in new.groups.items():
+            same = [m for m in members if m in old_units and old_units[m].spec.worker_group == g]
+            keep = old_units[same[0]].book if same and sup.stack.groups.get(g) == members else None
+            books[g] = keep if keep is not None else RestartBook()
+        units: dict[str, UnitRuntime] = {}
+        for tier in new.tiers():
+            for spec in tier:
+                rt = old_units.get(spec.name)
+                book = books[spec.worker_group] if spec.worker_group else None
+                if rt is None:
+                    rt = UnitRuntime(spec=spec, book=book or RestartBook(),
+                                     output=UnitOutput(spec.name, echo=sup.echo_output))
+                else:
+                    if spec.worker_group or rt.spec.worker_group:
+                        rt.book = book or RestartBook()
+                    rt.spec = spec
+                units[spec.name] = rt
+        for name in p.removed:
+            sup.executor.forget(name)
+        sup.replace_stack(new, units)

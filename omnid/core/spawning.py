@@ -1,0 +1,117 @@
+"""Everything a unit's spawn needs before the spawner forks: the argv (Python units
+through the title runner), the environment, the refusal to start on a GPU held by
+a leftover, the unit's cgroup (made before the child joins it) and its output
+pipes. `prepare` returns a `SpawnRequest` with the pipes, or the reason it cannot
+start; the executor sends the request and feeds the outcome back."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from omnid import linux
+from omnid.cgroup import cgroup_limits
+from omnid.process import DAEMON_TAG, UNIT_TAG
+from omnid.spawnclient import SpawnRequest
+from omnid.units import Unit as UnitSpec
+
+log = structlog.get_logger("omnid.supervisor")
+
+RUNNER = str(Path(__file__).resolve().parent.parent / "runner.py")
+_PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
+# The daemon's own variables that a unit must not inherit.
+_NOT_INHERITED = ("LISTEN_FDS", "LISTEN_PID", "OMNID_CONTROL", "INVOCATION_ID")
+
+
+@dataclass
+class Prepared:
+    """A spawn ready to go: the request and the read ends of the unit's stdout and stderr
+    (the write ends go to the spawner with the request, then are closed here)."""
+
+    request: SpawnRequest
+    out_r: int
+    out_w: int
+    err_r: int
+    err_w: int
+
+    def close_write_ends(self) -> None:
+        for fd in (self.out_w, self.err_w):
+            os.close(fd)
+
+    def close_read_ends(self) -> None:
+        for fd in (self.out_r, self.err_r):
+            os.close(fd)
+
+
+class CannotSpawn(Exception):
+    """The spawn cannot even be asked for; the message is the failure reason."""
+
+
+def argv(spec: UnitSpec) -> list[str]:
+    out = list(spec.exec)
+    if spec.title and len(out) >= 2 and _PYTHON_RE.match(os.path.basename(out[0])):
+        if out[1] == "-m" and len(out) >= 3 or not out[1].startswith("-"):
+            # Python units run through the runner, which sets the title and hands over
+            # to the module or script unchanged.
+            return [out[0], RUNNER, spec.title, *out[1:]]
+    return out
+
+
+def environ(spec: UnitSpec, notify_socket: str | None, token: str, extra: dict[str, str]) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
+    # Units named `python3 -m ...` find the interpreter omnid runs under first.
+    base["PATH"] = os.path.dirname(sys.executable) + os.pathsep + base.get("PATH", "/usr/local/bin:/usr/bin:/bin")
+    env = spec.environ(base, notify_socket)
+    env[DAEMON_TAG] = token  # proof of ownership for leftover cleanup
+    env.update(extra)
+    if spec.gpus and "CUDA_DEVICE_ORDER" not in spec.env:
+        # NVML numbers GPUs in PCI order; make CUDA agree so gpus = [1] is the same card.
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    return env
+
+
+def gpu_held_by_leftover(spec: UnitSpec, backend: object | None, ours: set[int]) -> str | None:
+    """A unit must not start on a GPU that a leftover omnid process still holds."""
+    if backend is None or not spec.gpus or not getattr(backend, "available", False) \
+            or not getattr(backend, "pids_local", False):
+        return None
+    from omnid import gpu as gpu_mod
+
+    for holder in gpu_mod.holders_of(backend, spec.gpus):
+        if holder.pid in ours:
+            continue
+        tag = linux.read_environ_var(holder.pid, UNIT_TAG)
+        if tag is not None:
+            return (f"GPU {holder.gpu} is held by pid {holder.pid} ({holder.used_mib:.0f} MiB, a leftover "
+                    f"omnid process of unit {tag} not managed by this daemon): refusing to start")
+        log.warning("GPU used by a process outside omnid", unit=spec.name, gpu=holder.gpu, pid=holder.pid,
+                    used_mib=holder.used_mib)
+    return None
+
+
+def prepare(spec: UnitSpec, *, env: dict[str, str], cgroups: object | None) -> Prepared:
+    """The unit's cgroup (before the child joins it, pre-exec), its pipes and the request.
+    CannotSpawn says why not (no cgroup, no fds left)."""
+    try:
+        cg_path = cgroups.create(spec.name, cgroup_limits(spec)).path if cgroups else None  # type: ignore[attr-defined]
+    except OSError as exc:
+        raise CannotSpawn(f"cannot create the unit's cgroup: {exc}") from None
+    pipes: list[int] = []
+    try:
+        pipes.extend(os.pipe2(os.O_CLOEXEC))  # stdout
+        pipes.extend(os.pipe2(os.O_CLOEXEC))  # stderr
+    except OSError as exc:  # EMFILE is a failed spawn (backoff), not a crashed handler
+        for fd in pipes:
+            os.close(fd)
+        code = errno.errorcode.get(exc.errno or 0, exc.errno)
+        raise CannotSpawn(f"spawn failed: {code}: cannot create the output pipes ({exc.strerror})") from None
+    out_r, out_w, err_r, err_w = pipes
+    req = SpawnRequest(unit=spec.name, argv=tuple(argv(spec)), env=env, cwd=spec.cwd, user=spec.user,
+                       group=spec.group, rlimits=tuple(spec.limits), cgroup=cg_path)
+    return Prepared(req, out_r, out_w, err_r, err_w)

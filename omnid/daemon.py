@@ -94,6 +94,8 @@ class Daemon:
         self._health_task: asyncio.Task | None = None
         self.reexecs = 0  # how many times this daemon replaced its own program (omnid reexec)
         self.handlers: ControlHandlers | None = None
+        self.cluster = None  # omnid.cluster.session.ClusterSession with [cluster]
+        self._failed_watch: asyncio.Task | None = None
 
     # -- callbacks --------------------------------------------------------------
     def _publish(self, ev: dict) -> None:
@@ -140,7 +142,10 @@ class Daemon:
         """What `status --json` says of the daemon program itself."""
         from omnid.version import version
 
-        return {"version": version(), "reexecs": self.reexecs}
+        out = {"version": version(), "reexecs": self.reexecs}
+        if self.cluster is not None:
+            out["cluster"] = self.cluster.status()
+        return out
 
     # -- life ---------------------------------------------------------------------
     async def run(self) -> int:
@@ -167,6 +172,9 @@ class Daemon:
                               on_pids_changed=self._schedule_state_write,
                               check_invariants=os.environ.get("OMNID_CHECK_INVARIANTS") == "1",
                               gpu=self.gpu, cgroups=self.cgroups)
+        if self.stack.settings.cluster is not None and not await self._open_cluster():
+            self.exit_code = 2  # named on stderr and in the log; nothing is started
+            self.shutdown_requested.set()
         self.handlers = ControlHandlers(self)
         self.control = ControlServer(ctx, self.cfg.control, self.handlers.table())
         self.control.bind()
@@ -187,7 +195,9 @@ class Daemon:
         log.info("daemon ready", units_dir=self.cfg.units_dir, control=self.cfg.control,
                  health=self.cfg.health_listen, units=len(self.sup.units), spawner_pid=self.spawner.pid)
         startup_task = None
-        if health_sock is not None:
+        if health_sock is not None and self.shutdown_requested.is_set():
+            health_sock.close()
+        elif health_sock is not None:
             self.service.status(f"starting: {startup.progress(self.sup)}")
             self.service.start_watchdog()
             self.sup.kick()
@@ -195,6 +205,8 @@ class Daemon:
             startup_task = loop.create_task(startup.watch(self.sup, self.service, self.settled,
                                                           self.shutdown_requested))
             startup_task.add_done_callback(self._report_task)
+            if self.stack.settings.exit_when_failed:
+                self._failed_watch = report_crash(loop.create_task(self._watch_failed_for_good()), "exit_when_failed")
         await self.shutdown_requested.wait()
         self.service.send("STOPPING=1", "STATUS=stopping the stack")
         log.info("stopping the stack")
@@ -208,6 +220,7 @@ class Daemon:
                 pass
         t0 = time.monotonic()
         recs = await self.sup.requests.shutdown()
+        await self._close_cluster()
         self.shutdown_result.set_result(recs)
         left = [p for p in linux.children_of(self.spawner.pid)
                 if (st := linux.read_stat(p)) is not None and st.state not in ("Z", "X")]
@@ -221,6 +234,8 @@ class Daemon:
         deadline = time.monotonic() + 2.0
         while self.control._tasks and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
+        if self._failed_watch is not None:
+            self._failed_watch.cancel()
         if self._gpu_task is not None:
             self._gpu_task.close()
         if self._control_reader is not None:
@@ -240,6 +255,59 @@ class Daemon:
         self.service.status(f"stopped (exit {self.exit_code})")
         self.service.close()
         return self.exit_code
+
+    async def _open_cluster(self) -> bool:
+        """[cluster]: this host's membership (lease, watch, heartbeat) and its groups across hosts.
+        gRPC and the etcd client are imported here, only for a stack that spans hosts."""
+        from omnid.cluster.session import ClusterRefused, ClusterSession
+        from omnid.cluster.settings import SettingsError
+        from omnid.core.crosshost import CrossHost
+
+        assert self.sup is not None and self.stack.settings.cluster is not None
+        self.cluster = ClusterSession(self.stack.settings.cluster)
+        try:
+            await self.cluster.open()
+        except (ClusterRefused, SettingsError) as exc:
+            log.error("cluster membership refused", reason=str(exc))
+            print(f"omnid: {exc}", file=sys.stderr)
+            await self.cluster.close()
+            self.cluster = None
+            return False
+        self.sup.crosshost = CrossHost(self.sup, self.cluster)
+        return True
+
+    async def _close_cluster(self) -> None:
+        """After the stack's stop: every group was left, then the lease is given back."""
+        if self.sup is not None and self.sup.crosshost is not None:
+            await self.sup.crosshost.close()
+        if getattr(self, "cluster", None) is not None:
+            await self.cluster.close()
+
+    async def _watch_failed_for_good(self) -> None:
+        """exit_when_failed: once a unit failed for good, stop the stack and exit 1, so that a
+        cluster manager (Slurm --kill-on-bad-exit, a LeaderWorkerSet) restarts every host's part."""
+        assert self.sup is not None and self.shutdown_requested is not None
+        found: list[tuple[str, str]] = []
+
+        def failed_for_good() -> bool:
+            from omnid.core import groups
+            from omnid.core.lifecycle import Goal, UnitState
+
+            for rt in self.sup.units.values():
+                if rt.goal is not Goal.ACTIVE or rt.busy:
+                    continue
+                if (rt.state is UnitState.FAILED and not rt.book.restart_pending) or (
+                        rt.state is UnitState.INACTIVE and groups.down_for_good(rt)):
+                    found.append((rt.name, rt.reason))
+                    return True
+            return False
+
+        await self.sup.wait_until(failed_for_good, None)
+        name, why = found[0]
+        log.error("a unit failed for good and exit_when_failed is set: stopping the stack, then exit 1",
+                  unit=name, reason=why)
+        self.exit_code = 1
+        self.shutdown_requested.set()
 
     def _start_control_reader(self) -> asyncio.Task:
         assert self.control is not None

@@ -163,6 +163,7 @@ class Unit:
     stop_timeout: float = 10.0
     worker_group: str | None = None  # members fail, stop and restart together
     torch_distributed: TorchDistributed | None = None
+    group_hosts: tuple[str, ...] = ()  # a worker group across hosts (omnid.cluster): the leading host first
     kill_timeout: float = 10.0
     restart: RestartPolicy = RestartPolicy.NO
     restart_sec: float = 1.0
@@ -215,6 +216,7 @@ class DaemonSettings:
     log_format: LogFormat | None = None
     cgroup_root: Path | None = None  # omnid.cgroup: a writable cgroup v2 directory for the units
     cluster: "ClusterSettings | None" = None  # [cluster]: a stack across hosts (omnid.cluster)
+    exit_when_failed: bool = False  # stop the stack and exit 1 once a unit failed for good
 
 
 @dataclass(frozen=True, eq=False)

@@ -236,3 +236,43 @@ def test_cluster_settings_object_is_frozen():
                         prefix="/omnid/x")
     with pytest.raises(AttributeError):
         c.host = "b"  # type: ignore[misc]
+
+
+# ------------------------------------------------------------------ group_hosts
+
+
+_CLUSTER = '[cluster]\netcd = ["http://10.0.0.1:2379"]\nhost = "node-a"\naddress = "10.0.0.2"\n'
+
+
+def test_group_hosts_parsed_on_every_member(tmp_path):
+    (tmp_path / "omnid.toml").write_text("exit_when_failed = true\n" + _CLUSTER)
+    (tmp_path / "ranks.toml").write_text('exec = ["r"]\ninstances = 2\nworker_group = "tp"\n'
+                                         'group_hosts = ["node-a", "node-b"]\n')
+    stack = load_stack(tmp_path)
+    assert stack["ranks@1"].group_hosts == ("node-a", "node-b")
+    assert stack.settings.exit_when_failed is True
+
+
+@pytest.mark.parametrize("settings, unit, key, words", [
+    (_CLUSTER, 'exec = ["r"]\ngroup_hosts = ["node-a"]\n', "group_hosts", "needs worker_group"),
+    ("", 'exec = ["r"]\nworker_group = "tp"\ngroup_hosts = ["node-a"]\n', "group_hosts", "needs [cluster]"),
+    (_CLUSTER, 'exec = ["r"]\nworker_group = "tp"\ngroup_hosts = ["node-b", "node-c"]\n', "group_hosts",
+     "this host (node-a, cluster.host) is not among"),
+    (_CLUSTER, 'exec = ["r"]\nworker_group = "tp"\ngroup_hosts = ["node-a", "node-a"]\n', "group_hosts", "each host once"),
+    (_CLUSTER, 'exec = ["r"]\nworker_group = "tp"\ngroup_hosts = ["node a"]\n', "group_hosts", "host names"),
+    (_CLUSTER, 'exec = ["r"]\nworker_group = "tp"\ngroup_hosts = []\n', "group_hosts", "host names"),
+    ("exit_when_failed = 1\n" + _CLUSTER, 'exec = ["r"]\n', "exit_when_failed", "true or false"),
+])
+def test_group_hosts_mistakes_are_named(tmp_path, settings, unit, key, words):
+    (tmp_path / "omnid.toml").write_text(settings)
+    (tmp_path / "ranks.toml").write_text(unit)
+    errors = [str(e) for e in check_stack(tmp_path)]
+    assert any(f": {key}: " in e and words in e for e in errors), errors
+
+
+def test_group_hosts_differ_between_members_of_one_group(tmp_path):
+    (tmp_path / "omnid.toml").write_text(_CLUSTER)
+    (tmp_path / "a.toml").write_text('exec = ["r"]\nworker_group = "tp"\ngroup_hosts = ["node-a", "node-b"]\n')
+    (tmp_path / "b.toml").write_text('exec = ["r"]\nworker_group = "tp"\ngroup_hosts = ["node-a"]\n')
+    errors = [str(e) for e in check_stack(tmp_path)]
+    assert any("group_hosts" in e and "spans one set of hosts" in e for e in errors), errors

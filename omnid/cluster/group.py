@@ -108,6 +108,7 @@ class ClusterGroup:
         self._pending: set[asyncio.Task] = set()
         self._wake = asyncio.Event()
         self._hold_logged = False
+        self.on_reason: Callable[[], None] | None = None  # the barrier's reason changed (who is missing)
         self._held = False  # during this etcd outage, etcd was down for every host of the group
         self._grace_from = -1e18
         self.counters = {"generations": 0, "fenced": 0, "down": 0}
@@ -239,8 +240,12 @@ class ClusterGroup:
                 assert lead is not None  # a hostile value fails the hosts check above
                 return Generation(self.name, n, self.hosts, self.hosts.index(s.host), self.local_size, lead.address)
             away = [h for h in missing if not s.host_alive(h)]
-            self.reason = (f"worker group {self.name} generation {n}: waiting for {', '.join(missing)} to join"
-                           + (f" ({', '.join(away)}: no omnid running there)" if away else ""))
+            reason = (f"worker group {self.name} generation {n}: waiting for {', '.join(missing)} to join"
+                      + (f" ({', '.join(away)}: no omnid running there)" if away else ""))
+            if reason != self.reason:
+                self.reason = reason
+                if self.on_reason is not None:
+                    self.on_reason()
             await self._sleep(None)
 
     def _refuse(self, n: int, problem: str, record: bool = True) -> None:
@@ -266,6 +271,11 @@ class ClusterGroup:
             return
         what = f"{unit} failed: {reason}"
         self._down(f"{self.session.host}: {what}", DownRecord(self.session.host, what, final), local=True)
+
+    def gave_up(self, generation: int, reason: str) -> None:
+        """This host will not start the group again by itself (start limit, restart = "no"):
+        the other hosts, which would wait for it in the next generation, fail for good too."""
+        self._record_down(generation + 1, DownRecord(self.session.host, f"gave up: {reason}", final=True))
 
     def left(self, generation: int, reason: str = "its members were stopped") -> None:
         """Every local member of `generation` is stopped. A generation still running (an operator

@@ -77,6 +77,7 @@ class Supervisor:
         self.schedule = Schedule(self)
         self.requests = OperatorRequests(self)
         self.reloader = Reloader(self)
+        self.crosshost = None  # omnid.core.crosshost.CrossHost, set by the daemon with [cluster]
         self._queue: collections.deque[tuple[UnitRuntime, Event, str]] = collections.deque()
         self._feeding = False
         self._converge_pending = False
@@ -367,6 +368,8 @@ class Supervisor:
                 snap["gpu_mib"] = self.gpu_mib[n]
             if n in self.degraded:
                 snap["degraded"] = self.degraded[n]
+            if self.crosshost is not None and (group := self.crosshost.status(self.units[n])) is not None:
+                snap["group"] = group
             if self.cgroups:
                 snap.update(self.cgroups.snapshot(n))  # type: ignore[attr-defined]
             out.append(snap)

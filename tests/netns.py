@@ -25,7 +25,7 @@ import time
 import uuid
 from pathlib import Path
 
-from tests.harness import wait_for
+from tests.harness import Daemon, wait_for
 
 PEER_NET = "10.231.1"
 ETCD_NET = "10.231.2"
@@ -301,3 +301,61 @@ class HostAgent:
         self._reader.join(10)
         self.proc.stdout.close()
         self._err.close()
+
+
+# ------------------------------------------------------------------ real omnid daemons per host
+
+
+class HostDaemon(Daemon):
+    """An omnid daemon inside one host's namespace (its control socket is a file: reachable)."""
+
+    def __init__(self, bed: Testbed, host: str, units_dir: Path) -> None:
+        super().__init__(units_dir)
+        self.bed, self.host = bed, host
+
+    def argv(self) -> list[str]:
+        return ["ip", "netns", "exec", self.bed.ns[self.host], *super().argv()]
+
+    def health(self) -> tuple[int, dict]:
+        """GET /health from inside the host's namespace (where the daemon listens)."""
+        import json
+        import sys
+
+        code = ("import json, sys, urllib.request, urllib.error\n"
+                "try:\n"
+                f"    r = urllib.request.urlopen('http://127.0.0.1:{self.health_port}/health', timeout=5)\n"
+                "    print(r.status); print(r.read().decode())\n"
+                "except urllib.error.HTTPError as e:\n"
+                "    print(e.code); print(e.read().decode())\n")
+        out = subprocess.run(["ip", "netns", "exec", self.bed.ns[self.host], sys.executable, "-c", code],
+                             capture_output=True, text=True, timeout=20).stdout.split("\n", 1)
+        return int(out[0]), json.loads(out[1])
+
+
+def ranks_stack(bed: Testbed, host: str, hosts: list[str], progress: Path, port: int, *, ttl: int = 3,
+                restart: str = "on-failure", exit_when_failed: bool = False, local: int = 2) -> Path:
+    """host's stack: `local` torch gloo ranks (omnid/demo/ranks.py) of group tp across `hosts`."""
+    import json
+
+    from tests.harness import make_stack
+
+    unit = "\n".join([
+        'exec = ["python3", "-m", "omnid.demo.ranks"]',
+        f"instances = {local}",
+        'ready = "notify"',
+        "ready_timeout = 90",
+        "stop_timeout = 2",
+        f'restart = "{restart}"',
+        "restart_sec = 0.2",
+        "start_limit_burst = 1000",
+        'worker_group = "tp"',
+        f"group_hosts = {json.dumps(hosts)}",
+        f"torch_distributed = {{ master_port = {port} }}",
+        # gloo picks its address from the host name; in a namespace it must be told the interface.
+        f'env = {{ OMNID_RANKS_PROGRESS_DIR = "{progress}", OMNID_RANKS_TIMEOUT_S = "120", '
+        'GLOO_SOCKET_IFNAME = "eth0" }',
+    ])
+    settings = (("exit_when_failed = true\n" if exit_when_failed else "")
+                + f'[cluster]\netcd = ["{bed.etcd_url}"]\nhost = "{host}"\naddress = "{bed.address[host]}"\n'
+                f'lease_ttl = {ttl}\nprefix = "/omnid/e2e{bed.id}"\n')
+    return make_stack({"ranks": unit + "\n"}, settings)

@@ -10,11 +10,8 @@ measured ones are in bench/cluster.py.
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import time
 
@@ -288,7 +285,7 @@ def test_cluster_over_tls_with_client_certificates(bed):
     anon = HostAgent(bed, "a", hosts=["a", "c"], group="other", tls={"ca": tls["ca"]},
                      prefix=f"/omnid/anon{bed.id}", peer_port=9323)
     bed.agents.append(anon)
-    st = wait_for(lambda: (s := anon.status())["session"]["etcd"] != "ok" and "etcd does not answer" in anon.log()
+    wait_for(lambda: (s := anon.status())["session"]["etcd"] != "ok" and "etcd does not answer" in anon.log()
                   and s, 20, "the agent without a client certificate to say etcd does not answer")
     assert not anon.find("running"), anon.events
     assert f"etcd {bed.etcd_url.split('//')[1]}" in anon.log(), anon.log()

@@ -10,20 +10,17 @@ Kept lean for CI (2 cores): lease_ttl 3 s, two ranks per host.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from omnid.demo import rankprogress
-from tests.harness import Daemon, alive, free_port, make_stack, temp_dir, wait_for
-from tests.netns import Testbed, unavailable
+from tests.harness import Daemon, alive, free_port, temp_dir, wait_for
+from tests.netns import HostDaemon, Testbed, ranks_stack, unavailable
 
 pytest.importorskip("aetcd", reason="the cluster tests need the etcd client (pip install '.[cluster]')")
 pytest.importorskip("torch", reason="the ranks are torch gloo processes (the demo extra)")
@@ -32,29 +29,6 @@ pytestmark = pytest.mark.skipif(_why is not None, reason=f"hosts as network name
 
 TTL = 3
 HOSTS = ["a", "b"]
-
-
-class HostDaemon(Daemon):
-    """An omnid daemon inside one host's namespace (its control socket is a file: reachable)."""
-
-    def __init__(self, bed: Testbed, host: str, units_dir: Path) -> None:
-        super().__init__(units_dir)
-        self.bed, self.host = bed, host
-
-    def argv(self) -> list[str]:
-        return ["ip", "netns", "exec", self.bed.ns[self.host], *super().argv()]
-
-    def health(self) -> tuple[int, dict]:
-        """GET /health from inside the host's namespace (where the daemon listens)."""
-        code = ("import json, sys, urllib.request, urllib.error\n"
-                "try:\n"
-                f"    r = urllib.request.urlopen('http://127.0.0.1:{self.health_port}/health', timeout=5)\n"
-                "    print(r.status); print(r.read().decode())\n"
-                "except urllib.error.HTTPError as e:\n"
-                "    print(e.code); print(e.read().decode())\n")
-        out = subprocess.run(["ip", "netns", "exec", self.bed.ns[self.host], sys.executable, "-c", code],
-                             capture_output=True, text=True, timeout=20).stdout.split("\n", 1)
-        return int(out[0]), json.loads(out[1])
 
 
 @pytest.fixture
@@ -72,28 +46,8 @@ def cluster(tmp_path_factory):
         shutil.rmtree(progress, ignore_errors=True)
 
 
-def stack(c: dict, host: str, *, restart: str = "on-failure", exit_when_failed: bool = False) -> Path:
-    bed: Testbed = c["bed"]
-    unit = "\n".join([
-        'exec = ["python3", "-m", "omnid.demo.ranks"]',
-        "instances = 2",
-        'ready = "notify"',
-        "ready_timeout = 90",
-        "stop_timeout = 2",
-        f'restart = "{restart}"',
-        "restart_sec = 0.2",
-        "start_limit_burst = 20",
-        'worker_group = "tp"',
-        f"group_hosts = {json.dumps(HOSTS)}",
-        f"torch_distributed = {{ master_port = {c['port']} }}",
-        # gloo picks its address from the host name; in a namespace it must be told the interface.
-        f'env = {{ OMNID_RANKS_PROGRESS_DIR = "{c["progress"]}", OMNID_RANKS_TIMEOUT_S = "120", '
-        'GLOO_SOCKET_IFNAME = "eth0" }',
-    ])
-    settings = (("exit_when_failed = true\n" if exit_when_failed else "")
-                + f'[cluster]\netcd = ["{bed.etcd_url}"]\nhost = "{host}"\naddress = "{bed.address[host]}"\n'
-                f'lease_ttl = {TTL}\nprefix = "/omnid/e2e{bed.id}"\n')
-    return make_stack({"ranks": unit + "\n"}, settings)
+def stack(c: dict, host: str, **kw) -> Path:
+    return ranks_stack(c["bed"], host, HOSTS, c["progress"], c["port"], ttl=TTL, **kw)
 
 
 def start(c: dict, host: str, **kw) -> HostDaemon:

@@ -26,7 +26,7 @@ as it can tell, and stopping is the side that can never run two generations at o
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 

@@ -68,6 +68,7 @@ class Generation:
         rank = self.host_index * self.local_size + local_index
         return {"RANK": str(rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(local_index),
                 "LOCAL_WORLD_SIZE": str(self.local_size), "GROUP_RANK": str(self.host_index),
+                "GROUP_WORLD_SIZE": str(len(self.hosts)),
                 "MASTER_ADDR": self.master_addr, "OMNID_GENERATION": str(self.number),
                 "OMNID_WORKER_GROUP": self.group, "OMNID_GROUP_RANK": str(rank),
                 "OMNID_GROUP_SIZE": str(self.world_size), "OMNID_GROUP_HOSTS": ",".join(self.hosts)}

@@ -65,6 +65,8 @@ class CrossHost:
         lk = self.link(rt)
         if lk is None:
             return True
+        if lk.admitted is not None and lk.cluster.running_generation() != lk.admitted.number:
+            self._withdraw(lk, "it went down before it started here")  # it went down while we waited
         if lk.admitted is not None:
             return True
         if lk.joining is None:
@@ -142,9 +144,31 @@ class CrossHost:
         lk.cluster.left(lk.running.number, why)
         lk.running = None
 
+    def converged(self) -> None:
+        """After each converge: a group no longer wanted here (an operator's stop, the stack
+        stopping) withdraws from a generation it joined but did not start, so that the other
+        hosts' ranks do not wait for ours."""
+        for lk in self.links.values():
+            if lk.joining is None and lk.admitted is None:
+                continue
+            if self.sup.shutting_down or any(self.sup.units[m].goal is Goal.INACTIVE for m in lk.members):
+                if lk.joining is not None:
+                    lk.joining.cancel()  # ClusterGroup.join records that it left before the start
+                if lk.admitted is not None:
+                    self._withdraw(lk, "stopped by the operator before it started here")
+
+    def _withdraw(self, lk: _Link, why: str) -> None:
+        gen, lk.admitted = lk.admitted, None
+        if gen is not None:
+            lk.cluster.left(gen.number, why)
+
     # -- what happens elsewhere ------------------------------------------------------------------
     def _on_down(self, group: str, d: GroupDown) -> None:
         lk = self.links[group]
+        if lk.admitted is not None and lk.admitted.number == d.generation:
+            self._withdraw(lk, "it went down before it started here")
+            self.sup.kick()  # join the next one
+            return
         if lk.running is None or lk.running.number != d.generation:
             return
         lk.down = d

@@ -302,6 +302,8 @@ class Supervisor:
             if ev is not None:
                 self.feed(rt, ev)
         self._refresh_waiting_reasons()
+        if self.crosshost is not None:
+            self.crosshost.converged()
 
     def _refresh_waiting_reasons(self) -> None:
         """A unit stopped for a requirement keeps naming the current root cause."""

@@ -66,7 +66,9 @@ def run(failures: int, partitions: int, ttl: int) -> dict:
     bed = Testbed(HOSTS).open()
     progress = temp_dir("omranks-")
     port = free_port()
-    daemons = {h: HostDaemon(bed, h, ranks_stack(bed, h, HOSTS, progress, port, ttl=ttl)) for h in HOSTS}
+    # restart_max_sec = restart_sec: the figures are omnid's and the ranks' own, not a growing backoff
+    daemons = {h: HostDaemon(bed, h, ranks_stack(bed, h, HOSTS, progress, port, ttl=ttl, restart_max_sec=0.2))
+               for h in HOSTS}
     stopped_ms, again_s, fenced_s, peer_s, healed_s = [], [], [], [], []
     try:
         for d in daemons.values():
@@ -84,6 +86,8 @@ def run(failures: int, partitions: int, ttl: int) -> dict:
             stopped_ms.append((got["b"] - t0) * 1000)
             wait_for(lambda: all_reducing(progress, gen + 1, wall), 120, f"generation {gen + 1}", interval=0.01)
             again_s.append(time.monotonic() - t0)
+            print(f"failure {len(again_s)}: b's ranks gone {stopped_ms[-1]:.1f} ms, all-reducing again "
+                  f"{again_s[-1]:.2f} s", file=sys.stderr, flush=True)
         for _ in range(partitions):
             gen = current_generation(a)
             pa, pb = list(pids(a).values()), list(pids(b).values())
@@ -98,6 +102,8 @@ def run(failures: int, partitions: int, ttl: int) -> dict:
                      and all(v[0] > gen and v[1] >= 2 and v[2] > wall for v in p.values()), 120, "healed group",
                      interval=0.01)
             healed_s.append(time.monotonic() - t_heal)
+            print(f"partition {len(healed_s)}: a fenced {fenced_s[-1]:.2f} s, b stopped {peer_s[-1]:.2f} s, "
+                  f"healed {healed_s[-1]:.2f} s", file=sys.stderr, flush=True)
     finally:
         for d in daemons.values():
             d.close()

@@ -100,11 +100,23 @@ class Testbed:
         _ip("-n", ns, "link", "set", inside, "up")
 
     def close(self) -> None:
-        self.kill_etcd()
-        for ns in reversed(self._made):
-            _ip("netns", "del", ns, check=False)
-        self._made.clear()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        """Remove everything made. A namespace whose mount is still busy (a process of it
+        exiting) is tried again for a few seconds; one that cannot be removed fails loudly."""
+        try:
+            self.kill_etcd()
+        finally:
+            left = list(reversed(self._made))
+            deadline = time.monotonic() + 15
+            while left:
+                left = [ns for ns in left if _ip("netns", "del", ns, check=False).returncode != 0
+                        and ns in _ip("netns", "list", check=False).stdout.split()]
+                if not left or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            self._made.clear()
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            if left:
+                raise RuntimeError(f"network namespaces could not be removed: {left}")
 
     def __enter__(self) -> "Testbed":
         return self.open()
@@ -333,7 +345,8 @@ class HostDaemon(Daemon):
 
 
 def ranks_stack(bed: Testbed, host: str, hosts: list[str], progress: Path, port: int, *, ttl: int = 3,
-                restart: str = "on-failure", exit_when_failed: bool = False, local: int = 2) -> Path:
+                restart: str = "on-failure", exit_when_failed: bool = False, local: int = 2,
+                restart_max_sec: float = 60) -> Path:
     """host's stack: `local` torch gloo ranks (omnid/demo/ranks.py) of group tp across `hosts`."""
     import json
 
@@ -347,6 +360,7 @@ def ranks_stack(bed: Testbed, host: str, hosts: list[str], progress: Path, port:
         "stop_timeout = 2",
         f'restart = "{restart}"',
         "restart_sec = 0.2",
+        f"restart_max_sec = {restart_max_sec}",
         "start_limit_burst = 1000",
         'worker_group = "tp"',
         f"group_hosts = {json.dumps(hosts)}",

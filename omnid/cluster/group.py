@@ -117,7 +117,7 @@ class ClusterGroup:
 
     # -- reading the mirror --------------------------------------------------------------------
     def _joins(self, n: int) -> dict[str, JoinRecord | None]:
-        return {e.key.host: e.value for e in self.session.mirror.values()
+        return {e.key.host: e.value for e in self.session.mirror.entries.values()
                 if e.key.kind == "join" and e.key.group == self.name and e.key.generation == n}
 
     def _down_record(self, n: int) -> DownRecord | None:

@@ -14,38 +14,24 @@ import asyncio
 import os
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from omnid.cluster import etcd as E
 from omnid.cluster.etcd import EtcdError, EtcdLink, KV
-from omnid.cluster.keys import (HostileLog, HostileValue, HostRecord, Key, KeySpace, host_value, parse_current,
-                                parse_down, parse_host, parse_join)
+from omnid.cluster.keys import HostileLog, HostileValue, HostRecord, KeySpace, host_value, parse_host
+from omnid.cluster.mirror import Entry, Mirror
 from omnid.cluster.peers import DownNotice, PeerLink
 from omnid.cluster.settings import ClusterSettings, read_secret
 from omnid.tasks import DaemonTask, report_crash
 
 log = structlog.get_logger("omnid.cluster")
 
-PARSERS: dict[str, Callable[[bytes], Any]] = {"host": parse_host, "current": parse_current, "join": parse_join,
-                                               "down": parse_down}
-MAX_HOST_KEYS = 256
 
 
 class ClusterRefused(Exception):
     """This host cannot take part: its address is not its own, or another omnid is this host."""
-
-
-@dataclass(frozen=True)
-class Entry:
-    """A key of ours as last seen in etcd: `value` is the parsed record, None when hostile."""
-
-    key: Key
-    value: Any
-    mod_revision: int
-    lease: int
 
 
 class ClusterSession:
@@ -68,7 +54,7 @@ class ClusterSession:
         self.peers = PeerLink(host=self.host, address=settings.address, port=settings.peer_port,
                               prefix=settings.prefix, on_down=self._peer_down, clock=clock)
         self.groups: dict[str, Any] = {}  # name -> ClusterGroup
-        self.mirror: dict[bytes, Entry] = {}
+        self.mirror = Mirror(self.keys, self.hostile)
         self.lease_id = 0
         self.etcd_ok = False
         self.last_ok_sent = -1e18  # when the last keepalive etcd answered was sent
@@ -81,7 +67,6 @@ class ClusterSession:
         self._tasks: set[asyncio.Task] = set()
         self._loops: list[DaemonTask] = []
         self._watch: DaemonTask | None = None
-        self._addresses: dict[str, tuple[str, int]] = {}
         self._closed = False
         self.counters = {"etcd_outages": 0, "lease_expired": 0}
 
@@ -307,66 +292,14 @@ class ClusterSession:
                 await asyncio.sleep(self.keepalive_every)
 
     async def _resync(self) -> int:
-        """Read every key of interest in one snapshot; the watch goes on from its revision.
-        The generations to read depend on `current`: read until two reads agree on it."""
-        currents: dict[str, int] = {}
-        for attempt in range(4):
-            ops = [E.get_prefix(self.keys.root + b"hosts/", MAX_HOST_KEYS)]
-            for name in self.groups:
-                ops.append(E.get(self.keys.current(name)))
-                n = currents.get(name, 0)
-                ops.extend(E.get_prefix(self.keys.generation(name, g)) for g in (n - 1, n, n + 1) if g >= 1)
-            r = await self.link.txn([], ops)
-            self.mirror = {}
-            for kv in r.kvs:  # in request order: each group's current before its generations
-                self._apply(kv, True)
-            seen = {name: self.current(name)[0] for name in self.groups}
-            if all(seen[n] == currents.get(n, 0) for n in seen) or attempt == 3:
-                break
-            currents = seen
+        revision = await self.mirror.read(self.link, list(self.groups))
         self.synced = True
         self._set_ready()
         self._changed()
-        return r.revision
-
-    def _interesting(self, key: Key) -> bool:
-        if key.kind == "host":
-            return True
-        if key.group not in self.groups:
-            return False
-        if key.kind == "current":
-            return True
-        n = self.current(key.group)[0]
-        return key.kind in ("join", "down") and key.generation >= n - 1
+        return revision
 
     def _apply(self, kv: KV, put: bool) -> None:
-        try:
-            key = self.keys.parse(kv.key)
-        except HostileValue as exc:
-            self.hostile.ignored(kv.key, str(exc))
-            return
-        if key.kind == "secret" or not self._interesting(key):
-            return
-        if not put:
-            self.mirror.pop(kv.key, None)
-            return
-        if key.kind == "host" and kv.key not in self.mirror and sum(1 for e in self.mirror.values()
-                                                                      if e.key.kind == "host") >= MAX_HOST_KEYS:
-            self.hostile.ignored(kv.key, f"more than {MAX_HOST_KEYS} host keys")
-            return
-        try:
-            value = PARSERS[key.kind](kv.value)
-        except HostileValue as exc:
-            self.hostile.ignored(kv.key, str(exc))
-            value = None
-        self.mirror[kv.key] = Entry(key, value, kv.mod_revision, kv.lease)
-        if key.kind == "host" and value is not None:
-            self._addresses[key.host] = (value.address, value.peer_port)
-        if key.kind == "current" and isinstance(value, int):
-            stale = [k for k, e in self.mirror.items()
-                     if e.key.group == key.group and e.key.kind in ("join", "down") and e.key.generation < value - 1]
-            for k in stale:
-                del self.mirror[k]
+        self.mirror.apply(kv, put, self.groups)
 
     def _changed(self) -> None:
         for g in list(self.groups.values()):
@@ -374,19 +307,13 @@ class ClusterSession:
 
     # Reading the mirror.
     def entry(self, key: bytes) -> Entry | None:
-        return self.mirror.get(key)
+        return self.mirror.entries.get(key)
 
     def current(self, group: str) -> tuple[int, int]:
-        """(the group's newest generation, the key's mod revision); (0, 0) when absent. A
-        hostile value reads as generation 0 with its revision, so it can be replaced."""
-        e = self.mirror.get(self.keys.current(group))
-        if e is None:
-            return 0, 0
-        return (e.value if isinstance(e.value, int) else 0), e.mod_revision
+        return self.mirror.current(group)
 
     def host_alive(self, host: str) -> bool:
-        e = self.mirror.get(self.keys.host(host))
-        return e is not None
+        return self.keys.host(host) in self.mirror.entries
 
     # -- the clock -----------------------------------------------------------------------------------
     async def _monitor_loop(self) -> None:
@@ -404,7 +331,7 @@ class ClusterSession:
         wanted: set[str] = set()
         for g in self.groups.values():
             wanted.update(g.hosts)
-        self.peers.set_peers(wanted, self._addresses)
+        self.peers.set_peers(wanted, self.mirror.addresses)
         self.peers.beat(self.etcd_ok, self.running())
 
     def running(self) -> dict[str, int]:

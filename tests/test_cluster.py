@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import subprocess
 import sys
 import time
 
@@ -289,3 +290,18 @@ def test_cluster_over_tls_with_client_certificates(bed):
                   and s, 20, "the agent without a client certificate to say etcd does not answer")
     assert not anon.find("running"), anon.events
     assert f"etcd {bed.etcd_url.split('//')[1]}" in anon.log(), anon.log()
+
+
+def test_cluster_jitter_within_the_lease_budget_is_no_failure(bed):
+    if not bed.netem_available():
+        pytest.skip("this kernel has no sch_netem (tc qdisc netem): delay and loss cannot be made here")
+    a, b = agent(bed, "a"), agent(bed, "b")
+    ra, rb = both_running(a, b, 1)
+    for dev in ("eth0", "eth1"):  # the peer and the etcd network of host a
+        subprocess.run(["ip", "netns", "exec", bed.ns["a"], "tc", "qdisc", "add", "dev", dev, "root", "netem",
+                        "delay", "100ms", "50ms", "loss", "10%"], check=True, capture_output=True)
+    deadline = time.monotonic() + TTL * 2  # an observation window: nothing may go down
+    while time.monotonic() < deadline:
+        assert not a.find("down") and not b.find("down"), (a.events[-2:], b.events[-2:])
+        time.sleep(0.1)
+    assert all(alive(p) for p in ra["pids"] + rb["pids"])

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -89,6 +91,9 @@ def test_e2e_ranks_span_hosts_and_a_rank_killed_on_a_stops_every_rank_then_all_r
     assert {e["MASTER_ADDR"] for _h, e in ranks.values()} == {c["bed"].address["a"]}
     st = b.unit("ranks@0")
     assert st["group"]["generation"] == 1 and st["group"]["hosts"] == {"a": "up", "b": "up"}, st
+    table = subprocess.run([sys.executable, "-m", "omnid", "--control", b.control, "status"], capture_output=True,
+                           text=True, timeout=30).stdout
+    assert "group tp generation 1 (running): a up, b up" in table, table
     t_fault, wall = time.monotonic(), time.time()
     os.kill(pa["ranks@1"], signal.SIGKILL)
     gone_at: dict[str, float] = {}

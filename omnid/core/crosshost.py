@@ -48,13 +48,34 @@ class CrossHost:
         self.sup = sup
         self.session = session
         self.links: dict[str, _Link] = {}
-        for group, names in sup.stack.groups.items():
-            spec = sup.stack.units[names[0]]
-            if spec.group_hosts:
-                cg = ClusterGroup(session, group, spec.group_hosts, len(names),
+        self.restack()
+
+    def restack(self) -> None:
+        """The stack's groups across hosts (again, after a reload): a group whose hosts or
+        members changed gets a new ClusterGroup (its members were restarted by the reload)."""
+        for group in [g for g in self.links if g not in self.sup.stack.groups]:
+            self._drop(group)
+        for group, names in self.sup.stack.groups.items():
+            spec = self.sup.stack.units[names[0]]
+            lk = self.links.get(group)
+            if lk is not None and (not spec.group_hosts or lk.members != names
+                                   or lk.cluster.hosts != spec.group_hosts):
+                self._drop(group)
+                lk = None
+            if spec.group_hosts and lk is None:
+                cg = ClusterGroup(self.session, group, spec.group_hosts, len(names),
                                   lambda d, g=group: self._on_down(g, d))
                 cg.on_reason = self.refresh_reasons
                 self.links[group] = _Link(cg, names)
+
+    def _drop(self, group: str) -> None:
+        lk = self.links.pop(group)
+        if lk.joining is not None:
+            lk.joining.cancel()
+        self._withdraw(lk, "its unit files changed")
+        if lk.running is not None:
+            lk.cluster.left(lk.running.number, "its unit files changed")
+        self.session.groups.pop(group, None)
 
     def link(self, rt: UnitRuntime) -> _Link | None:
         return self.links.get(rt.spec.worker_group or "")

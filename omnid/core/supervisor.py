@@ -119,6 +119,8 @@ class Supervisor:
         self.units.clear()
         self.units.update(units)  # the same dict: requests and schedule hold it
         self.schedule = Schedule(self)
+        if self.crosshost is not None:
+            self.crosshost.restack()
         self.kick()
 
     # ------------------------------------------------------------------ feed

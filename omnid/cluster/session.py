@@ -93,6 +93,8 @@ class ClusterSession:
     async def close(self) -> None:
         """Stop the loops, give the lease back (peers see this host leave at once), close."""
         self._closed = True
+        if self._tasks:  # the down records of the stop just made: written before the lease goes
+            await asyncio.wait(set(self._tasks), timeout=self.call_timeout)
         loops = [*self._loops, *([self._watch] if self._watch else [])]
         for d in loops:
             d.close()

@@ -90,6 +90,8 @@ class CrossHost:
             self._withdraw(lk, "it went down before it started here")  # it went down while we waited
         if lk.admitted is not None:
             return True
+        if lk.running is not None:  # every member is down here (the caller checked): leave it first
+            self.settled(rt)
         if lk.joining is None:
             lk.joining = asyncio.get_running_loop().create_task(self._join(lk, rt.book))
         return False

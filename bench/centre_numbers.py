@@ -39,7 +39,16 @@ def ts(e: dict) -> float:
 
 
 def states(d: Daemon) -> list[dict]:
-    return [e for e in d.log_events() if e.get("event") == "unit state"]
+    text = getattr(d, "closed_log", None) or d.log()  # after close() the log file is gone
+    out = []
+    for line in text.splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("event") == "unit state":
+            out.append(e)
+    return out
 
 
 def daemon(tree: Path, units: dict[str, str]) -> Daemon:

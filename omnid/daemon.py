@@ -104,6 +104,8 @@ class Daemon:
         self.reexec: asyncio.Task | None = None  # a re-exec being prepared
         self.handover_error: str | None = None  # why the last re-exec's handover could not be used
         self.captures = CaptureStore(cfg.state_dir)  # hang forensics (omnid dump)
+        self.cluster = None  # omnid.cluster.session.ClusterSession with [cluster]
+        self._failed_watch: asyncio.Task | None = None
 
     # -- callbacks --------------------------------------------------------------
     def _publish(self, ev: dict) -> None:
@@ -150,8 +152,11 @@ class Daemon:
         """What `status --json` says of the daemon program itself."""
         from omnid.version import version
 
-        return {"version": version(), "reexecs": self.reexecs, "program_since": self.program_since,
-                **({"handover_ms": self.handover_ms} if self.handover_ms is not None else {})}
+        out = {"version": version(), "reexecs": self.reexecs, "program_since": self.program_since,
+               **({"handover_ms": self.handover_ms} if self.handover_ms is not None else {})}
+        if self.cluster is not None:
+            out["cluster"] = self.cluster.status()
+        return out
 
     # -- life ---------------------------------------------------------------------
     async def run(self, takeover: dict | None = None) -> int:
@@ -191,6 +196,9 @@ class Daemon:
         if takeover is not None:
             self.sup.take_over(takeover["supervisor"])
             self.metrics.take_over(takeover["metrics"])
+        if self.stack.settings.cluster is not None and not await self._open_cluster():
+            self.exit_code = 2  # named on stderr and in the log; nothing is started
+            self.shutdown_requested.set()
         self.handlers = ControlHandlers(self)
         self._open_control()
         if self.gpu.available:
@@ -204,7 +212,9 @@ class Daemon:
                  units=len(self.sup.units), spawner_pid=self.spawner.pid, reexecs=self.reexecs,
                  handover_ms=self.handover_ms)
         startup_task = None
-        if health_sock is not None:
+        if health_sock is not None and self.shutdown_requested.is_set():
+            health_sock.close()
+        elif health_sock is not None:
             self.service.status(f"starting: {startup.progress(self.sup)}")
             self.service.start_watchdog()
             if takeover is None:
@@ -219,6 +229,8 @@ class Daemon:
                 startup_task = loop.create_task(startup.watch(self.sup, self.service, self.settled,
                                                               self.shutdown_requested))
                 startup_task.add_done_callback(self._report_task)
+            if self.stack.settings.exit_when_failed:
+                self._failed_watch = report_crash(loop.create_task(self._watch_failed_for_good()), "exit_when_failed")
         await self.shutdown_requested.wait()
         return await self._stop(startup_task)
 
@@ -272,6 +284,7 @@ class Daemon:
             await asyncio.sleep(drain_sec)
         t0 = time.monotonic()
         recs = await self.sup.requests.shutdown()
+        await self._close_cluster()
         self.shutdown_result.set_result(recs)
         left = [p for p in linux.children_of(self.spawner.pid)
                 if (st := linux.read_stat(p)) is not None and st.state not in ("Z", "X")]
@@ -285,6 +298,8 @@ class Daemon:
         deadline = time.monotonic() + 2.0
         while self.control._tasks and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
+        if self._failed_watch is not None:
+            self._failed_watch.cancel()
         if self._gpu_task is not None:
             self._gpu_task.close()
         await self._close_front()
@@ -347,6 +362,59 @@ class Daemon:
         self._health_task = report_crash(loop.create_task(self._start_health(sock)), "health API start")
         if self.gpu is not None and self.gpu.available:
             self._gpu_task = DaemonTask("GPU watch", lambda: loop.create_task(self._gpu_watch())).start()
+
+    async def _open_cluster(self) -> bool:
+        """[cluster]: this host's membership (lease, watch, heartbeat) and its groups across hosts.
+        gRPC and the etcd client are imported here, only for a stack that spans hosts."""
+        from omnid.cluster.session import ClusterRefused, ClusterSession
+        from omnid.cluster.settings import SettingsError
+        from omnid.core.crosshost import CrossHost
+
+        assert self.sup is not None and self.stack.settings.cluster is not None
+        self.cluster = ClusterSession(self.stack.settings.cluster)
+        try:
+            await self.cluster.open()
+        except (ClusterRefused, SettingsError) as exc:
+            log.error("cluster membership refused", reason=str(exc))
+            print(f"omnid: {exc}", file=sys.stderr)
+            await self.cluster.close()
+            self.cluster = None
+            return False
+        self.sup.crosshost = CrossHost(self.sup, self.cluster)
+        return True
+
+    async def _close_cluster(self) -> None:
+        """After the stack's stop: every group was left, then the lease is given back."""
+        if self.sup is not None and self.sup.crosshost is not None:
+            await self.sup.crosshost.close()
+        if getattr(self, "cluster", None) is not None:
+            await self.cluster.close()
+
+    async def _watch_failed_for_good(self) -> None:
+        """exit_when_failed: once a unit failed for good, stop the stack and exit 1, so that a
+        cluster manager (Slurm --kill-on-bad-exit, a LeaderWorkerSet) restarts every host's part."""
+        assert self.sup is not None and self.shutdown_requested is not None
+        found: list[tuple[str, str]] = []
+
+        def failed_for_good() -> bool:
+            from omnid.core import groups
+            from omnid.core.lifecycle import Goal, UnitState
+
+            for rt in self.sup.units.values():
+                if rt.goal is not Goal.ACTIVE or rt.busy:
+                    continue
+                if (rt.state is UnitState.FAILED and not rt.book.restart_pending) or (
+                        rt.state is UnitState.INACTIVE and groups.down_for_good(rt)):
+                    found.append((rt.name, rt.reason))
+                    return True
+            return False
+
+        await self.sup.wait_until(failed_for_good, None)
+        name, why = found[0]
+        log.error("a unit failed for good and exit_when_failed is set: stopping the stack, then exit 1",
+                  unit=name, reason=why)
+        self.exit_code = 1
+        self.shutdown_requested.set()
 
     def _start_control_reader(self) -> asyncio.Task:
         assert self.control is not None

@@ -355,5 +355,10 @@ class HealthServer:
             metric("omnid_notify_datagrams_total", "counter", "notify datagrams received, accepted or dropped")
             for what, n in notify.items():
                 lines.append(f"omnid_notify_datagrams_total{lbl(outcome=what)} {n}")
+        ch = getattr(self.sup, "crosshost", None)
+        if ch is not None:  # worker groups across hosts (omnid.cluster)
+            from omnid.cluster.metrics import render as cluster_metrics
+
+            lines.extend(cluster_metrics(ch, metric, lbl))
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})

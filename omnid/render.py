@@ -89,6 +89,15 @@ def print_units(units: list[dict], *, usage: bool = True, colour: bool | None = 
         cells = [c.ljust(widths[i]) for i, c in enumerate(r[:n])]
         cells[1] = colour_state(cells[1], st, colour)
         print("  ".join(cells) + "  " + r[n])
+    groups = {u["group"]["name"]: u["group"] for u in units if u.get("group")}
+    for g in groups.values():  # worker groups across hosts (omnid(8), CLUSTER)
+        print(group_line(g))
+
+
+def group_line(g: dict) -> str:
+    """"group tp generation 3 (running): node-a up, node-b up"."""
+    hosts = ", ".join(f"{h} {st}" for h, st in g.get("hosts", {}).items())
+    return f"group {g['name']} generation {g['generation']} ({g.get('state', '?')}): {hosts}"
 
 
 def print_unit_detail(u: dict, lines: list[dict], *, colour: bool | None = None) -> None:
@@ -118,6 +127,8 @@ def print_unit_detail(u: dict, lines: list[dict], *, colour: bool | None = None)
         print(f"  GPU held: {'; '.join(u['gpu_held'])} (after its processes were killed)")
     elif u.get("gpu_release_ms") is not None:
         print(f"  GPU free: {u['gpu_release_ms']:.0f} ms after the last stop or failure")
+    if u.get("group"):
+        print(f"     Group: {group_line(u['group'])}")
     print(f"  Restarts: {u['restarts']}" + (" (gave up)" if u.get("gave_up") else ""))
     if u.get("last_exit"):
         print(f" Last exit: {u['last_exit']}")

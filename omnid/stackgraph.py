@@ -113,6 +113,7 @@ def _expand_unit(
         gpu_min_free_mib=v["gpu_min_free_mib"],
         worker_group=v["worker_group"],
         torch_distributed=v["torch_distributed"],
+        group_hosts=v["group_hosts"],
         memory_max=v["memory_max"],
         tasks_max=v["tasks_max"],
     )
@@ -258,6 +259,10 @@ def _worker_groups(units: Mapping[str, Unit], errors: list[UnitFileError]) -> di
                     errors.append(UnitFileError(unit.file, key, (
                         f'worker_group "{group}" restarts as one: expected the same {key} as {first.name} '
                         f"({first.file.name}: {getattr(first, key)}), got {getattr(unit, key)}")))
+            if unit.group_hosts != first.group_hosts:
+                errors.append(UnitFileError(unit.file, "group_hosts", (
+                    f'worker_group "{group}" spans one set of hosts: expected the same group_hosts as {first.name} '
+                    f"({first.file.name}: {list(first.group_hosts)}), got {list(unit.group_hosts)}")))
             if (unit.torch_distributed is None) != (first.torch_distributed is None) or (
                     unit.torch_distributed and unit.torch_distributed != first.torch_distributed):
                 errors.append(UnitFileError(unit.file, "torch_distributed", (

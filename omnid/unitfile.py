@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omnid.cluster.settings import HOST_NAME, parse_cluster
 from omnid.unitmodel import DEFAULT_TITLE, DaemonSettings, DrainHook, Liveness, LogFormat, Ready, ReadyKind, RestartPolicy, TorchDistributed, UnitFileError
 from omnid.unitvalues import MAX_INSTANCES, InvalidValue, _Invalid, _Table, _argv, _cgroup_amount, _choice, _describe, _env, _gpus, _group_name, _integer, _limits, _nonempty_string, _seconds, _seconds_at_most, _string, _string_list, parse_host_port, parse_signal
 
@@ -23,13 +24,14 @@ UNIT_KEYS = (
     "user", "group", "limits", "gpus", "ready", "ready_timeout", "liveness", "watchdog_sec",
     "stop_signal", "stop_timeout", "kill_timeout", "restart", "restart_sec", "restart_max_sec",
     "start_limit_burst", "start_limit_interval", "gpu_min_free_mib", "worker_group", "torch_distributed",
-    "memory_max", "tasks_max", "capture_timeout", "drain", "drain_timeout",
+    "memory_max", "tasks_max", "capture_timeout", "drain", "drain_timeout", "group_hosts",
 )  # fmt: skip
 TORCH_DISTRIBUTED_KEYS = ("master_addr", "master_port")
 # The restart policy of a worker group is one policy: every member must declare the same.
 GROUP_POLICY_KEYS = ("restart", "restart_sec", "restart_max_sec", "start_limit_burst", "start_limit_interval")
 LIVENESS_KEYS = ("http", "interval", "timeout", "failures")
-SETTINGS_KEYS = ("control", "state_dir", "health_listen", "log_format", "cgroup_root", "drain_sec")
+SETTINGS_KEYS = ("control", "state_dir", "health_listen", "log_format", "cgroup_root", "drain_sec", "cluster",
+                 "exit_when_failed")
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,7 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
         "start_limit_interval": t.get("start_limit_interval", 60.0, _seconds(zero_ok=False)),
         "gpu_min_free_mib": t.get("gpu_min_free_mib", 0, _integer(0)),
         "worker_group": t.get("worker_group", None, _group_name),
+        "group_hosts": t.get("group_hosts", (), _group_hosts),
         "torch_distributed": None,
         "memory_max": t.get("memory_max", None, _cgroup_amount(bytes_=True)),
         "tasks_max": t.get("tasks_max", None, _cgroup_amount(bytes_=False)),
@@ -179,6 +182,9 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
     if v["watchdog_sec"] > 0 and v["ready"].kind is not ReadyKind.NOTIFY:
         t.error("watchdog_sec", f'needs ready = "notify" (the watchdog is fed by WATCHDOG=1 notifications), '
                 f'got ready = "{v["ready"].kind}"')  # fmt: skip
+    if v["group_hosts"] and v["worker_group"] is None:
+        t.error("group_hosts", 'needs worker_group: the members on each listed host form one group; expected e.g. '
+                'worker_group = "tp"')
     if v["restart_max_sec"] < v["restart_sec"]:
         t.error("restart_max_sec", f"expected seconds >= restart_sec ({v['restart_sec']:g}), "
                 f"got {v['restart_max_sec']:g}")  # fmt: skip
@@ -191,6 +197,22 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
         requires=t.get("requires", (), _string_list),
         gpus=t.get("gpus", None, _gpus),
     )
+
+
+def _boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _Invalid(f"expected true or false, got {_describe(value)}")
+    return value
+
+
+def _group_hosts(value: Any) -> tuple[str, ...]:
+    hosts = _string_list(value)
+    if not 1 <= len(hosts) <= 64 or not all(HOST_NAME.fullmatch(h) for h in hosts):
+        raise _Invalid('expected 1 to 64 host names (letters, digits, "_", "." or "-"), the leading host first, '
+                       f'e.g. ["node-a", "node-b"]; got {list(hosts)!r}')
+    if len(set(hosts)) != len(hosts):
+        raise _Invalid(f"expected each host once, got {list(hosts)!r}")
+    return hosts
 
 
 def _parse_settings(file: Path, raw: Mapping[str, Any], directory: Path, errors: list[UnitFileError]) -> DaemonSettings:
@@ -218,4 +240,6 @@ def _parse_settings(file: Path, raw: Mapping[str, Any], directory: Path, errors:
         log_format=t.get("log_format", None, _choice(LogFormat)),
         cgroup_root=t.get("cgroup_root", None, path),
         drain_sec=t.get("drain_sec", None, _seconds(zero_ok=True)),
+        cluster=parse_cluster(file, raw["cluster"], directory, errors) if "cluster" in raw else None,
+        exit_when_failed=t.get("exit_when_failed", False, _boolean),
     )

@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from omnid.cluster.settings import ClusterSettings
 
 
 
@@ -169,6 +172,7 @@ class Unit:
     stop_timeout: float = 10.0
     worker_group: str | None = None  # members fail, stop and restart together
     torch_distributed: TorchDistributed | None = None
+    group_hosts: tuple[str, ...] = ()  # a worker group across hosts (omnid.cluster): the leading host first
     kill_timeout: float = 10.0
     # Seconds the hang capture (omnid.forensics) may take before a unit that is alive but
     # failed is killed; 0 = no capture.
@@ -226,6 +230,8 @@ class DaemonSettings:
     log_format: LogFormat | None = None
     cgroup_root: Path | None = None  # omnid.cgroup: a writable cgroup v2 directory for the units
     drain_sec: float | None = None  # /health 503 "draining" this long before the stack's first stop signal
+    cluster: "ClusterSettings | None" = None  # [cluster]: a stack across hosts (omnid.cluster)
+    exit_when_failed: bool = False  # stop the stack and exit 1 once a unit failed for good
 
 
 @dataclass(frozen=True, eq=False)

@@ -116,6 +116,7 @@ def _load(directory: Path, given: Mapping[str, bytes] | None = None) -> tuple[St
 
     tiers, tier_of = _tiers(units, edges, errors)
     groups = _worker_groups(units, errors)
+    _check_group_hosts(units, settings, errors)
     required_by: dict[str, list[str]] = {n: [] for n in units}
     for unit in units.values():
         for dep in unit.requires:
@@ -139,3 +140,19 @@ def _load(directory: Path, given: Mapping[str, bytes] | None = None) -> tuple[St
         ),
         (),
     )
+
+
+def _check_group_hosts(units: Mapping[str, Unit], settings: DaemonSettings, errors: list[UnitFileError]) -> None:
+    """A group across hosts needs [cluster] in omnid.toml, and this host among its hosts."""
+    seen: set[str] = set()
+    for unit in units.values():
+        if not unit.group_hosts or unit.template in seen:
+            continue
+        seen.add(unit.template)
+        cluster = settings.cluster
+        if cluster is None:
+            errors.append(UnitFileError(unit.file, "group_hosts", "needs [cluster] in omnid.toml (etcd endpoints, "
+                                        "this host's name and address); expected a [cluster] table"))
+        elif cluster.host not in unit.group_hosts:
+            errors.append(UnitFileError(unit.file, "group_hosts", f"this host ({cluster.host}, cluster.host) is not "
+                                        f"among {list(unit.group_hosts)}; expected it listed"))

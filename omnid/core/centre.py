@@ -30,6 +30,7 @@ class Centre(Protocol):
     executor: Any  # omnid.core.executor.Executor
     monitors: Any  # omnid.core.monitors.Monitors
     schedule: Any  # omnid.core.schedule.Schedule
+    crosshost: Any  # omnid.core.crosshost.CrossHost, or None: no group spans hosts
 
     def feed(self, rt: UnitRuntime, event: Event, detail: str = "") -> None: ...
 

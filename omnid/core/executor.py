@@ -327,6 +327,8 @@ class Executor:
         f = policy.Failure(now=now, wanted=rt.goal.value == "active" and not sup.shutting_down, ran_for=ran_for,
                            exec_errno=rt.spawn_errno, first_start=not rt.book.ever_up)
         d = policy.decide(spec, rt.book, f)
+        if spec.worker_group:
+            groups.decided(sup, rt, d)
         if d.note:
             rt.reason = f"{rt.reason}; {d.note}" if d.outcome is not policy.Outcome.COUNTED \
                 else f"{rt.reason} ({d.note})"

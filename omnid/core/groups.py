@@ -30,6 +30,12 @@ def without_pid(what: str) -> str:
     return _PID_SUFFIX.sub("", what)
 
 
+def _cross(sup: Centre, rt: UnitRuntime):
+    """The group's side across hosts (omnid.core.crosshost), or None for a group on this host."""
+    ch = getattr(sup, "crosshost", None)
+    return ch if ch is not None and ch.link(rt) is not None else None
+
+
 def members(sup: Centre, rt: UnitRuntime) -> list[UnitRuntime]:
     return [sup.units[m] for m in sup.stack.group_members(rt.name)]
 
@@ -57,7 +63,10 @@ def member_may_start(sup: Centre, rt: UnitRuntime, now: float) -> bool:
         return False
     if any(m.goal is not Goal.ACTIVE for m in members(sup, rt)):
         return False
-    return sup.schedule.requirements_up(rt)
+    if not sup.schedule.requirements_up(rt):
+        return False
+    ch = _cross(sup, rt)  # across hosts: only once every host has joined the generation
+    return ch is None or ch.may_open(rt)
 
 
 def member_failed(sup: Centre, rt: UnitRuntime, what: str) -> None:
@@ -66,6 +75,9 @@ def member_failed(sup: Centre, rt: UnitRuntime, what: str) -> None:
     if rt.book.down_reason is None:
         rt.book.down_reason = f"{rt.name} failed: {what}"
         rt.book.up = False
+        ch = _cross(sup, rt)
+        if ch is not None:  # every other host stops its members too
+            ch.member_failed(rt, without_pid(what))
         sup.kick()
 
 
@@ -78,7 +90,8 @@ def count_start(sup: Centre, rt: UnitRuntime, now: float) -> str:
         if not book.up:
             policy.starts_in_window(book, spec, now)
             book.start_times.append(now)
-            book.generation += 1
+            ch = _cross(sup, rt)
+            book.generation = ch.opened(rt) if ch is not None else book.generation + 1
             book.up = True
             book.down_reason = None
             book.failure_counted = False
@@ -115,10 +128,29 @@ def environment(sup: Centre, rt: UnitRuntime) -> Mapping[str, str]:
     if td is not None:
         env.update(MASTER_ADDR=td.master_addr, MASTER_PORT=str(td.master_port), RANK=str(rank),
                    WORLD_SIZE=str(len(names)), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(len(names)))
+    ch = _cross(sup, rt)
+    if ch is not None:  # ranks across hosts: RANK = host index x local size + local index, ...
+        env.update(ch.environment(rt))
     return env
+
+
+def stop_reason(sup: Centre, rt: UnitRuntime) -> tuple[bool, str] | None:
+    """For a group across hosts whose generation is down: (fenced, reason); else None."""
+    ch = _cross(sup, rt)
+    return ch.stop_event(rt) if ch is not None else None
+
+
+def decided(sup: Centre, rt: UnitRuntime, decision) -> None:
+    """The restart policy decided after this member's failure (omnid.core.executor)."""
+    ch = _cross(sup, rt)
+    if ch is not None:
+        ch.decided(rt, decision)
 
 
 def after_end(sup: Centre, rt: UnitRuntime) -> None:
     """rt ended (inactive or failed): once every member is down, the next start is a new generation."""
     if rt.spec.worker_group and rt.book.up and rt.phase is Phase.IDLE and settled(sup, rt):
         rt.book.up = False
+    ch = _cross(sup, rt)
+    if ch is not None and rt.phase is Phase.IDLE and settled(sup, rt):
+        ch.settled(rt)

@@ -71,6 +71,7 @@ class Event(str, enum.Enum):
     STOP_REQUESTED = "stop_requested"  # converge: goal inactive
     DEPENDENCY_DOWN = "dependency_down"  # converge: a required unit is down
     GROUP_DOWN = "group_down"  # converge: the worker group's generation is down
+    GROUP_FENCED = "group_fenced"  # converge: this host is cut off from a group across hosts: SIGKILL now
     CAPTURE_DUE = "capture_due"  # timer: still alive shortly before stop_timeout
     CAPTURED = "captured"  # the capture ended (done or its bound passed)
     DRAINED = "drained"  # the unit said it is idle, or drain_timeout fired
@@ -299,6 +300,12 @@ def _kill_after_bug(v: View) -> Step:
                 Cause.FAILURE)
 
 
+def _fenced(v: View) -> Step:
+    """This host is cut off from its group across hosts (omnid.cluster): its members must be gone
+    before its etcd lease can expire, so no stop signal and no grace: SIGKILL now."""
+    return Step(S.STOPPING, P.KILLED, (Publish(), Signal("SIGKILL"), ArmTimer("kill_timeout"), WatchGone()), Cause.GROUP)
+
+
 def _capture_beside(v: View) -> Step:
     return Step(v.state, v.phase, (Capture(feed=False),) if v.capture else ())
 
@@ -307,7 +314,7 @@ _SPAWN = Step(S.INACTIVE, P.SPAWNING, (CountStart(), Spawn()))
 _RESPAWN = Step(S.FAILED, P.SPAWNING, (CountStart(), Spawn()))
 _STARTED = Step(S.STARTING, P.IDLE, (Publish(), ArmTimer("ready_timeout"), WatchReady()))
 _SPAWN_FAILED = Step(S.FAILED, P.IDLE, (RecordFailure(), Release(), DecideRestart(), Publish()))
-_DOWN = (E.STOP_REQUESTED, E.DEPENDENCY_DOWN, E.GROUP_DOWN)
+_DOWN = (E.STOP_REQUESTED, E.DEPENDENCY_DOWN, E.GROUP_DOWN, E.GROUP_FENCED)
 
 Cell = Step | Callable[[View], Step]
 
@@ -336,6 +343,7 @@ def _rows() -> dict[tuple[UnitState, Phase, Event], Cell]:
         t[(st, P.IDLE, E.STOP_REQUESTED)] = _stop(None)
         t[(st, P.IDLE, E.DEPENDENCY_DOWN)] = _stop(Cause.REQUIREMENT)
         t[(st, P.IDLE, E.GROUP_DOWN)] = _stop(Cause.GROUP)
+        t[(st, P.IDLE, E.GROUP_FENCED)] = _fenced
         t[(st, P.IDLE, E.GPU_FAULT)] = _broken
         t[(st, P.IDLE, E.INTERNAL_ERROR)] = _broken
     t[(S.ACTIVE, P.IDLE, E.WATCHDOG_EXPIRED)] = _hung
@@ -345,11 +353,13 @@ def _rows() -> dict[tuple[UnitState, Phase, Event], Cell]:
     t[(S.STOPPING, P.CAPTURING, E.EXITED)] = _kill_rest
     t[(S.STOPPING, P.CAPTURING, E.INTERNAL_ERROR)] = _kill_rest
     ignore(S.STOPPING, P.CAPTURING, *_DOWN, E.GPU_FAULT)
+    t[(S.STOPPING, P.CAPTURING, E.GROUP_FENCED)] = _kill_rest  # no time left for stacks
     # stopping, draining (a planned stop of a serving unit)
     t[(S.STOPPING, P.DRAINING, E.DRAINED)] = _drained
     t[(S.STOPPING, P.DRAINING, E.EXITED)] = _drained
     t[(S.STOPPING, P.DRAINING, E.DEPENDENCY_DOWN)] = _drain_cut(Cause.REQUIREMENT)
     t[(S.STOPPING, P.DRAINING, E.GROUP_DOWN)] = _drain_cut(Cause.GROUP)
+    t[(S.STOPPING, P.DRAINING, E.GROUP_FENCED)] = _kill_rest
     t[(S.STOPPING, P.DRAINING, E.GPU_FAULT)] = _broken
     t[(S.STOPPING, P.DRAINING, E.INTERNAL_ERROR)] = _kill_after_bug
     ignore(S.STOPPING, P.DRAINING, E.STOP_REQUESTED)
@@ -359,6 +369,7 @@ def _rows() -> dict[tuple[UnitState, Phase, Event], Cell]:
     t[(S.STOPPING, P.SIGNALLED, E.CAPTURE_DUE)] = _capture_beside
     t[(S.STOPPING, P.SIGNALLED, E.INTERNAL_ERROR)] = _kill_after_bug
     ignore(S.STOPPING, P.SIGNALLED, E.EXITED, *_DOWN, E.GPU_FAULT)  # EXITED: the group may live on
+    t[(S.STOPPING, P.SIGNALLED, E.GROUP_FENCED)] = _escalate  # a stop under way: SIGKILL now, not at stop_timeout
     # stopping, killed: gone, or unkillable at kill_timeout
     t[(S.STOPPING, P.KILLED, E.GONE)] = _ended
     t[(S.STOPPING, P.KILLED, E.KILL_TIMEOUT)] = _unkillable
@@ -372,7 +383,7 @@ def _rows() -> dict[tuple[UnitState, Phase, Event], Cell]:
     t[(S.FAILED, P.IDLE, E.START_REQUESTED)] = _RESPAWN
     t[(S.FAILED, P.IDLE, E.RESTART_DUE)] = _RESPAWN
     t[(S.FAILED, P.IDLE, E.STOP_REQUESTED)] = Step(S.INACTIVE, P.IDLE, (Publish(),))  # an operator's stop clears it
-    ignore(S.FAILED, P.IDLE, E.DEPENDENCY_DOWN, E.GROUP_DOWN)
+    ignore(S.FAILED, P.IDLE, E.DEPENDENCY_DOWN, E.GROUP_DOWN, E.GROUP_FENCED)
     # failed, releasing: `failed` is published; no restart until the GPU's memory is freed
     t[(S.FAILED, P.RELEASING, E.RELEASED)] = Step(S.FAILED, P.IDLE)
     t[(S.FAILED, P.RELEASING, E.INTERNAL_ERROR)] = Step(S.FAILED, P.IDLE)

@@ -45,7 +45,7 @@ SUPERVISION_KEYS = frozenset({
     "watchdog_sec", "liveness", "ready", "after", "requires", "gpu_min_free_mib", "stop_signal", "drain",
 })
 # Daemon settings a running daemon cannot change (its sockets, files and cgroup root).
-FIXED_SETTINGS = ("control", "state_dir", "health_listen", "cgroup_root", "log_format")
+FIXED_SETTINGS = ("control", "state_dir", "health_listen", "cgroup_root", "log_format", "cluster", "exit_when_failed")
 
 
 @dataclass(frozen=True)

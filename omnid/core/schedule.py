@@ -43,6 +43,9 @@ class Schedule:
         if rt.goal is Goal.INACTIVE:
             return E.STOP_REQUESTED, "stack stopping" if self.sup.shutting_down else "stopped by request"
         if rt.spec.worker_group and rt.book.down_reason is not None:
+            across = groups.stop_reason(self.sup, rt)  # a group across hosts: fenced, or down elsewhere
+            if across is not None:
+                return (E.GROUP_FENCED if across[0] else E.GROUP_DOWN), across[1]
             return E.GROUP_DOWN, f"stopped: worker group {rt.spec.worker_group} is down: {rt.book.down_reason}"
         for r in rt.spec.requires:
             if self.down(self.units[r]):

@@ -79,6 +79,7 @@ class Supervisor:
         self.schedule = Schedule(self)
         self.requests = OperatorRequests(self)
         self.reloader = Reloader(self)
+        self.crosshost = None  # omnid.core.crosshost.CrossHost, set by the daemon with [cluster]
         self._queue: collections.deque[tuple[UnitRuntime, Event, str]] = collections.deque()
         self._feeding = False
         self._converge_pending = False
@@ -123,6 +124,8 @@ class Supervisor:
         self.units.clear()
         self.units.update(units)  # the same dict: requests and schedule hold it
         self.schedule = Schedule(self)
+        if self.crosshost is not None:
+            self.crosshost.restack()
         self.kick()
 
     # ------------------------------------------------------------------ feed
@@ -364,6 +367,8 @@ class Supervisor:
             if ev is not None:
                 self.feed(rt, ev)
         self._refresh_waiting_reasons()
+        if self.crosshost is not None:
+            self.crosshost.converged()
 
     def _refresh_waiting_reasons(self) -> None:
         """A unit stopped for a requirement keeps naming the current root cause."""
@@ -430,6 +435,8 @@ class Supervisor:
                 snap["gpu_mib"] = self.gpu_mib[n]
             if n in self.degraded:
                 snap["degraded"] = self.degraded[n]
+            if self.crosshost is not None and (group := self.crosshost.status(self.units[n])) is not None:
+                snap["group"] = group
             if self.cgroups:
                 snap.update(self.cgroups.snapshot(n))  # type: ignore[attr-defined]
             out.append(snap)

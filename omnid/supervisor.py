@@ -24,7 +24,7 @@ from pathlib import Path
 
 import structlog
 
-from omnid import linux
+from omnid import linux, numa
 from omnid.groups import RestartBook, WorkerGroups, book_field
 from omnid.invariants import Invariants
 from omnid.lifecycle import Event, Release, StartMonitors, UnitView, step
@@ -132,6 +132,7 @@ class Unit:
             "gave_up": self.gave_up,
             "instance": self.spec.instance,
             "gpus": list(self.spec.gpus),
+            "placement": numa.status(self.spec),  # omnid.numa: CPUs and memory node at spawn
             "generation": self.book.generation,
             "gpu_release_ms": self.gpu_release_ms,
             "gpu_held": list(self.gpu_held),
@@ -565,7 +566,8 @@ class Supervisor(OperatorRequests, Monitors, Invariants, WorkerGroups):
             return None
         r, w, r_err, w_err = pipes
         req = SpawnRequest(unit=u.name, argv=tuple(self._argv(spec)), env=self._env(u), cwd=spec.cwd,
-                           user=spec.user, group=spec.group, rlimits=tuple(spec.limits), cgroup=cg_path)
+                           user=spec.user, group=spec.group, rlimits=tuple(spec.limits), cgroup=cg_path,
+                           placement=numa.placement_for(spec))
         try:
             return await self.spawner.spawn(req, w, w_err), r, r_err
         except SpawnError as exc:

@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 
 import structlog
-import zmq
-import zmq.asyncio
 
 from omnid import linux, logconfig, output, settings
 from omnid.control import ControlError, ControlServer, prepare_socket_dir
@@ -33,6 +31,7 @@ from omnid.systemd import ServiceNotifier
 from omnid.ownership import UnsafePath, check_private_dir, raise_nofile_limit
 from omnid.process import DAEMON_TAG, UNIT_TAG
 from omnid.spawnclient import SpawnerClient, SpawnerGone
+from omnid.spawnstart import SpawnerProcess
 from omnid.states import UnitState as S
 from omnid.statefile import StateFile, find_leftovers, kill_leftovers
 from omnid import cgroup as cgroup_mod
@@ -346,24 +345,17 @@ class Daemon:
         await self.spawner.attach()
         self.notify = NotifyServer(self.token, self._on_notify, attribute=self._notify_sender)
         self.notify.start()
-        from omnid import gpu as gpu_mod
+        # The first tier is spawned before the GPU backend, ZeroMQ and the HTTP server are
+        # loaded, unless a unit needs the GPU check (a leftover holding its GPU) to start.
+        if any(u.gpus for u in self.stack):
+            from omnid import gpu as gpu_mod
 
-        self.gpu = gpu_mod.open_backend()
-        if not self.gpu.available:
-            log.info("GPU checks off", reason=self.gpu.reason)
-        ctx = zmq.asyncio.Context()
+            self.gpu = gpu_mod.open_backend()
         self.sup = Supervisor(self.stack, self.spawner, token=self.token, notify_socket=self.notify.address,
                               publish=self._publish,
                               on_pids_changed=self._schedule_state_write,
                               check_invariants=os.environ.get("OMNID_CHECK_INVARIANTS") == "1",
                               gpu=self.gpu, cgroups=self.cgroups)
-        handlers = {name[len("handle_"):]: getattr(self, name) for name in dir(self) if name.startswith("handle_")}
-        self.control = ControlServer(ctx, self.cfg.control, handlers)
-        self.control.bind()
-        # Daemon-wide tasks are supervised: a crash is logged and the task restarted.
-        self._control_reader = DaemonTask("control reader", self._start_control_reader).start()
-        if self.gpu.available:
-            self._gpu_task = DaemonTask("GPU watch", lambda: loop.create_task(self._gpu_watch())).start()
         try:
             # Bound now with a plain socket, so a busy port fails the daemon before any unit
             # starts; aiohttp (a ~100 ms import) takes it over once the first spawns are out.
@@ -373,6 +365,28 @@ class Daemon:
             self.exit_code = 1
             self.shutdown_requested.set()
             health_sock = None
+        if health_sock is not None:
+            self.sup._kick()
+            # Three turns of the loop (converge, the start ops, the spawner client's send): the
+            # first tier's requests are out before anything below is imported.
+            for _ in range(3):
+                await asyncio.sleep(0)
+        if self.gpu is None:
+            from omnid import gpu as gpu_mod
+
+            self.gpu = self.sup.gpu = gpu_mod.open_backend()
+        if not self.gpu.available:
+            log.info("GPU checks off", reason=self.gpu.reason)
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context()
+        handlers = {name[len("handle_"):]: getattr(self, name) for name in dir(self) if name.startswith("handle_")}
+        self.control = ControlServer(ctx, self.cfg.control, handlers)
+        self.control.bind()
+        # Daemon-wide tasks are supervised: a crash is logged and the task restarted.
+        self._control_reader = DaemonTask("control reader", self._start_control_reader).start()
+        if self.gpu.available:
+            self._gpu_task = DaemonTask("GPU watch", lambda: loop.create_task(self._gpu_watch())).start()
         self._write_state()
         log.info("daemon ready", units_dir=self.cfg.units_dir, control=self.cfg.control,
                  health=self.cfg.health_listen, units=len(self.sup.units), spawner_pid=self.spawner.pid)
@@ -380,7 +394,6 @@ class Daemon:
         if health_sock is not None:
             self.service.status(f"starting: {self._progress()}")
             self.service.start_watchdog()
-            self.sup._kick()
             self._health_task = report_crash(loop.create_task(self._start_health(health_sock)), "health API start")
             startup_task = loop.create_task(self._watch_startup())
             startup_task.add_done_callback(self._report_task)
@@ -512,8 +525,9 @@ class Daemon:
 
 def run(units_dir: str | None, control: str | None, state_dir: str | None, health_listen: str | None,
         log_format: str | None, log_file: str | None = None,
-        cgroup_root: str | None = None) -> int:
-    """The `omnid daemon` command. Returns the process exit code."""
+        cgroup_root: str | None = None, spawner: SpawnerProcess | None = None) -> int:
+    """The `omnid daemon` command. Returns the process exit code. `spawner`: one already
+    started (omnid.spawnstart), taken over; else one is started here."""
     udir = os.path.abspath(units_dir or default_units_dir())
     try:
         stack = load_stack(udir)
@@ -565,7 +579,8 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
     # The cgroup root (resolved like every setting, else systemd delegation): check memory_max /
     # tasks_max against it, and kill a previous daemon's unit cgroups.
     try:
-        daemon.cgroups = cgroup_mod.start(cfg.cgroup_root, cfg.source("cgroup_root"), stack)
+        daemon.cgroups = cgroup_mod.start(cfg.cgroup_root, cfg.source("cgroup_root"), stack,
+                                          companions=(spawner.pid,) if spawner else ())
     except cgroup_mod.CgroupError as exc:
         print(f"omnid: {exc}", file=sys.stderr)
         return 2
@@ -579,7 +594,7 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
             if alive:
                 log.error("leftovers of a previous daemon survived SIGKILL", processes=alive)
     # Start the spawner by exec while this process has no threads yet.
-    daemon.spawner.launch()
+    daemon.spawner.launch(spawner)
     # After the spawner's exec, so units keep the usual soft limit: health connections,
     # pidfds and pipes must not run libzmq out of fds (it aborts on EMFILE).
     raise_nofile_limit()

@@ -1,4 +1,5 @@
-"""Starting the spawner process (omnid/spawner.py), and nothing else: light on purpose, so that
+"""Starting the spawner process (omnid/spawner.py), and nothing else: light on purpose (the
+standard library's os, socket, select, signal only), so that
 `omnid daemon` can start it first, before it loads the rest of itself, and the spawner's
 interpreter comes up while the daemon's imports run (the first unit waits for neither alone).
 
@@ -14,9 +15,8 @@ import signal
 import socket
 import sys
 
-from omnid import linux
-
 SOCKET_BUFFER = 4 << 20
+SPAWNER_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spawner.py")
 
 
 class SpawnerProcess:
@@ -36,7 +36,10 @@ class SpawnerProcess:
             return
         self.sock.close()
         if not select.select([self.pidfd], [], [], timeout)[0]:
-            linux.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            try:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             os.waitpid(self.pid, 0)
         except ChildProcessError:
@@ -46,16 +49,27 @@ class SpawnerProcess:
 
 
 def _extra_paths() -> list[str]:
-    """Where the spawner finds what it imports besides omnid and the standard library."""
-    import importlib.util
+    """Where the spawner finds what it imports besides omnid and the standard library: the
+    sys.path entry that holds setproctitle (a package, or a module such as
+    setproctitle.cpython-311-x86_64-linux-gnu.so), looked up without importlib."""
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        if "setproctitle" in names or any(n.startswith("setproctitle.") and n.endswith(".so") for n in names):
+            return [os.path.abspath(entry or ".")]
+    return []
 
-    spec = importlib.util.find_spec("setproctitle")
-    if spec is None or not spec.origin:
-        return []
-    # setproctitle/__init__.py (a package) or setproctitle*.so (a module): the directory that
-    # holds it (site-packages) goes on the spawner's sys.path.
-    origin = os.path.dirname(spec.origin)
-    return [os.path.dirname(origin) if spec.submodule_search_locations else origin]
+
+def _start_time(pid: int) -> int:
+    """Field 22 of /proc/PID/stat (clock ticks since boot), as omnid.linux reads it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        return int(raw[raw.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def launch() -> SpawnerProcess:
@@ -70,14 +84,13 @@ def launch() -> SpawnerProcess:
     # The spawner's file, run without site and user environment (-I -S): the interpreter is up
     # in a few ms instead of tens, and every fork copies a smaller process. It finds omnid
     # beside its file (this daemon's own copy) and setproctitle where this daemon would.
-    argv = [sys.executable, "-I", "-S", os.path.join(os.path.dirname(os.path.abspath(linux.__file__)), "spawner.py"),
-            str(theirs.fileno()), str(os.getpid()), *_extra_paths()]
+    argv = [sys.executable, "-I", "-S", SPAWNER_FILE, str(theirs.fileno()), str(os.getpid()), *_extra_paths()]
     try:
         # Its own session: a SIGTERM or Ctrl+C to the daemon's process group must reach the
         # daemon only, which then stops the stack in order.
         pid = os.posix_spawn(sys.executable, argv, env, setsid=True)
     finally:
         theirs.close()
-    pidfd = linux.pidfd_open(pid)
+    pidfd = os.pidfd_open(pid)
     ours.setblocking(False)
-    return SpawnerProcess(pid, pidfd, linux.start_time_of(pid) or 0, ours)
+    return SpawnerProcess(pid, pidfd, _start_time(pid), ours)

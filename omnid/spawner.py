@@ -26,9 +26,9 @@ Protocol, one JSON object per datagram, fds by SCM_RIGHTS:
 "placement" (omnid/numa.py) is {"cpus": [...], "mempolicy": MODE, "nodes": [...]} or
 {"error": TEXT}: the CPU affinity and memory policy the child sets before exec.
 
-Run as: python -m omnid.spawner FD DAEMON_PID, or (what the daemon does: no site, no user
-environment, so it starts in a few ms and forks a small process) python -I -S
-.../omnid/spawner.py FD DAEMON_PID [PATH ...], the PATHs put first on sys.path.
+Run as: python -m omnid.spawner FD DAEMON_PID. The daemon runs it without site and the
+user's environment (python -I -S -c BOOT, omnid/spawnstart.py): the interpreter is up in a
+few ms and every fork copies a smaller process.
 """
 
 from __future__ import annotations
@@ -46,11 +46,7 @@ import socket
 import sys
 import time
 
-if __name__ == "__main__" and not __package__:
-    # Started as a file with -I -S: find omnid beside this file, the rest where the daemon said.
-    sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), *sys.argv[3:]]
-
-from omnid import linux  # noqa: E402
+from omnid import linux
 
 MAX_MESSAGE = 1 << 20
 MAX_FDS = 250  # per datagram; the kernel's SCM_MAX_FD is 253

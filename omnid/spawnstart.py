@@ -16,7 +16,11 @@ import socket
 import sys
 
 SOCKET_BUFFER = 4 << 20
-SPAWNER_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spawner.py")
+# The package's parent directory: where this daemon's own omnid is imported from.
+OMNID_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# -I -S leaves neither site-packages nor the working directory on sys.path: the daemon
+# passes the entries the spawner needs (this omnid; setproctitle's site-packages).
+BOOT = "import sys; sys.path[:0] = sys.argv[3:]; from omnid.spawner import main; sys.exit(main(sys.argv[1:3]))"
 
 
 class SpawnerProcess:
@@ -81,10 +85,11 @@ def launch() -> SpawnerProcess:
     theirs.set_inheritable(True)
     env = dict(os.environ)
     env.pop("NOTIFY_SOCKET", None)
-    # The spawner's file, run without site and user environment (-I -S): the interpreter is up
-    # in a few ms instead of tens, and every fork copies a smaller process. It finds omnid
-    # beside its file (this daemon's own copy) and setproctitle where this daemon would.
-    argv = [sys.executable, "-I", "-S", SPAWNER_FILE, str(theirs.fileno()), str(os.getpid()), *_extra_paths()]
+    # Without site and user environment (-I -S): the interpreter is up in a few ms instead of
+    # tens, and every fork copies a smaller process. It imports omnid from where this daemon
+    # did (its bytecode cached, unlike a script's) and setproctitle where this daemon would.
+    argv = [sys.executable, "-I", "-S", "-c", BOOT, str(theirs.fileno()), str(os.getpid()), OMNID_PARENT,
+            *_extra_paths()]
     try:
         # Its own session: a SIGTERM or Ctrl+C to the daemon's process group must reach the
         # daemon only, which then stops the stack in order.

@@ -39,6 +39,8 @@ async def _one(child: list[str], stamps: Path, n: int) -> dict:
     t_launch = time.monotonic_ns()
     client.launch()
     await client.attach()
+    if hasattr(client, "wait_ready"):  # attach() no longer waits for the spawner's hello
+        await client.wait_ready()
     t_hello = time.monotonic_ns()
     env = dict(os.environ)
     env.update(OMNID_UNIT="w", SPT_NOENV="1")

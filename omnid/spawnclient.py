@@ -207,6 +207,11 @@ class SpawnerClient:
         loop.add_reader(self.pidfd, self._spawner_died)
         self._hello_timer = loop.call_later(timeout, self._no_hello, timeout)
 
+    async def wait_ready(self, timeout: float = 10.0) -> int:
+        """Until the spawner has said hello (its pid); spawns need not wait for this."""
+        assert self._hello is not None, "attach() first"
+        return await asyncio.wait_for(asyncio.shield(self._hello), timeout)
+
     def _no_hello(self, timeout: float) -> None:
         if self._hello is None or self._hello.done() or self._closed:
             return

@@ -146,8 +146,7 @@ def test_spawns_beyond_one_datagrams_fd_limit_all_start():
 def test_the_spawner_is_named_and_single_threaded_once_it_answers():
     async def main() -> None:
         async with Run() as run:
-            assert run.client._hello is not None
-            await asyncio.wait_for(run.client._hello, 10)
+            assert await run.client.wait_ready(10) == run.client.pid
             # Started with -I -S from its own file, it still finds setproctitle (the daemon's).
             assert open(f"/proc/{run.client.pid}/cmdline", "rb").read().startswith(b"omnid: spawner")
             assert linux.thread_count(run.client.pid) == 1

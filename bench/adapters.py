@@ -171,6 +171,10 @@ class Adapter:
     # uniformly random phase (see scenarios.jitter).
     tick_s = 0.0       # the timer that notices a child's death
     stop_tick_s = 0.0  # the timer that acts on a stop request (SIGTERM)
+    # A child that dies younger than this is restarted only after a pause the
+    # supervisor imposes by design (runsv: 1 s); death samples let it get older.
+    min_uptime_s = 0.0
+    has_events = True  # the supervisor publishes its own death notifications
 
     def __init__(self, ctx: Ctx, workdir: Path):
         self.ctx = ctx
@@ -250,16 +254,20 @@ class Adapter:
         except psutil.Error:
             return []
 
+    def is_child(self, pid: int) -> bool:
+        """The benchmark's child program (not one of the supervisor's own processes)."""
+        return cmdline_has(pid, self.token)
+
     def children(self) -> list[int]:
         """Live child programs under the supervisor, from /proc."""
         return [p.pid for p in self._descendants()
-                if alive(p.pid) and cmdline_has(p.pid, self.token)]
+                if alive(p.pid) and self.is_child(p.pid)]
 
     def supervisor_pids(self) -> list[int]:
         """The supervisor's own processes (main + helpers, not the children)."""
         out = [self.proc.pid]
         for p in self._descendants():
-            if alive(p.pid) and not cmdline_has(p.pid, self.token):
+            if alive(p.pid) and not self.is_child(p.pid):
                 out.append(p.pid)
         return out
 
@@ -413,6 +421,138 @@ class Circus(Adapter):
         return pred
 
 
+class Runit(Adapter):
+    """runit from the Debian package: runsvdir starts one runsv per service
+    directory, runsv forks and execs the service's ./run and restarts it.
+
+    ./run is a symlink to the child program itself (its arguments in ./args,
+    see child.c), not the usual `#!/bin/sh exec ...` script: runit's best case,
+    no shell exec on the spawn path. runit has no event stream (no death
+    notification figure) and no stop timeout of its own: `sv -w T
+    force-shutdown` is its documented "TERM, wait T, KILL". runsv restarts
+    every ./run that exits (`restart = no` would need `sv once` per service);
+    in these figures only the death figure's children exit on their own, and
+    that one restarts on every supervisor."""
+
+    name = "runit"
+    tick_s = 0.0       # runsv waits on SIGCHLD (self-pipe), no timer
+    stop_tick_s = 0.0
+    min_uptime_s = 1.0  # runsv(8): "If ./run exits immediately, runsv waits a second"
+    has_events = False
+
+    @classmethod
+    def prepare(cls, ctx: Ctx) -> dict:
+        import shutil
+        missing = [t for t in ("runsvdir", "runsv", "sv") if shutil.which(t) is None]
+        if missing:
+            raise Unavailable(f"{', '.join(missing)} not found (Debian: apt-get install runit)")
+        r = subprocess.run(["dpkg-query", "-W", "-f", "${Version}", "runit"], capture_output=True,
+                           text=True, timeout=30)
+        return {"version": r.stdout.strip() or "?", "exe": shutil.which("runsvdir")}
+
+    def write_config(self, programs: list[Program], events: bool = False) -> None:
+        svc = self.dir / "service"
+        svc.mkdir(exist_ok=True)
+        self._services: list[Path] = []
+        self._stop_timeout = max((p.stop_timeout for p in programs), default=10.0)
+        exe = Path(self.ctx.child[0]).resolve()
+        self._child_exe = str(exe)
+        direct = len(self.ctx.child) == 1  # the C child; the Python one needs its interpreter
+        for p in programs:
+            for i in range(p.n):
+                d = svc / f"{p.name}-{i}"
+                d.mkdir()
+                argv = self.child_argv(p)
+                if direct:
+                    (d / "args").write_text("".join(a + "\n" for a in argv[1:]))
+                    (d / "run").symlink_to(exe)
+                else:
+                    (d / "run").write_text("#!/bin/sh\nexec " + " ".join(argv) + "\n")
+                    (d / "run").chmod(0o755)
+                self._services.append(d)
+        # runsvdir does not trust a directory modified within the current second
+        # and scans it again a second later; a real service directory is older
+        # than its runsvdir, so date it back (runit's best case, as in production).
+        past = time.time() - 5
+        os.utime(svc, (past, past))
+
+    def argv(self) -> list[str]:
+        return ["runsvdir", str(self.dir / "service")]
+
+    def is_child(self, pid: int) -> bool:
+        if len(self.ctx.child) > 1:
+            return cmdline_has(pid, self.token)
+        try:
+            return os.readlink(f"/proc/{pid}/exe") == self._child_exe
+        except OSError:
+            return False
+
+    def stop(self) -> int:
+        """SIGHUP to runsvdir: it sends TERM to every runsv, which TERMs (and CONTs)
+        its service and does not restart it (`x`); runsvdir exits and restarts no
+        runsv. `sv -w T force-shutdown` in the background adds the KILL after T."""
+        t0 = now_ns()
+        os.kill(self.proc.pid, signal.SIGHUP)
+        self._sv = self.ctx.janitor.spawn(
+            ["sv", "-w", str(max(1, math.ceil(self._stop_timeout))), "force-shutdown",
+             *map(str, self._services)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return t0
+
+    def wait_exit(self, timeout: float) -> int | None:
+        rc = super().wait_exit(timeout)
+        sv = getattr(self, "_sv", None)
+        if sv is not None:
+            try:
+                sv.wait(timeout=max(1.0, timeout))
+            except subprocess.TimeoutExpired:
+                pass
+        if rc is None:
+            return None
+        # runsvdir exits at once on HUP; the stop is over when every runsv is gone.
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if not [p for p in self._descendants() if alive(p.pid) and not self.is_child(p.pid)
+                    and p.pid != getattr(sv, "pid", None)]:
+                break
+            time.sleep(0.02)
+        return rc
+
+    def _descendants(self) -> list[psutil.Process]:
+        # runsv processes outlive runsvdir (re-parented to the harness, a subreaper)
+        # until their service is down: look under the harness too.
+        out = super()._descendants()
+        if out or self.proc is None or self.proc.poll() is None:
+            return out
+        mine = set()
+        try:
+            for p in psutil.Process().children(recursive=True):
+                try:
+                    if self.dir.as_posix() in " ".join(p.cmdline()) or (
+                            p.cwd().startswith(str(self.dir))):
+                        mine.add(p)
+                except psutil.Error:
+                    pass
+        except psutil.Error:
+            pass
+        return list(mine)
+
+    def start_watch(self) -> EventWatch:
+        self.watch = _NoEvents().start()
+        return self.watch
+
+    def death_pred(self, pid: int, unit: str | None):
+        return lambda ev: False
+
+
+class _NoEvents(EventWatch):
+    """For a supervisor without notifications: connected at once, never an event."""
+
+    def _run(self) -> None:
+        self.connected.set()
+        self.stop_flag.wait()
+
+
 # ------------------------------------------------------------------ omnid
 
 class Omnid(Adapter):
@@ -434,6 +574,16 @@ class Omnid(Adapter):
             raise Unavailable(f"`omnid daemon --help` failed (rc={r.returncode}): "
                               f"{(r.stderr or r.stdout).strip()[-500:]}")
         cls.exe = exe
+        # As pip installs it: with bytecode. An editable install has none, and with
+        # PYTHONDONTWRITEBYTECODE set every daemon start would compile omnid from source
+        # (~80 ms on 2 cores) while the peers, pip-installed, load theirs compiled.
+        py = exe.parent / "python"
+        if py.exists():
+            r = subprocess.run([str(py), "-c", "import omnid, os; print(os.path.dirname(omnid.__file__))"],
+                               capture_output=True, text=True, timeout=60, cwd="/")
+            if r.returncode == 0 and r.stdout.strip():
+                subprocess.run([str(py), "-m", "compileall", "-q", r.stdout.strip()], capture_output=True,
+                               timeout=300, cwd="/")
         # The peers restart a dead child at once, every time. omnid: the smallest
         # restart_sec the validator accepts, and its exponential backoff pinned
         # (restart_max_sec = restart_sec) so the 30th restart is not 2^29 x slower.
@@ -562,8 +712,32 @@ class Omnid(Adapter):
         return pred
 
 
+class OmnidBaseline(Omnid):
+    """Another omnid build (OMNID_BENCH_BASELINE=/path/to/its/bin/omnid), measured in the
+    same run, interleaved with the current one: before/after figures under the same load."""
+
+    name = "omnid-base"
+
+    @classmethod
+    def prepare(cls, ctx: Ctx) -> dict:
+        exe = os.environ.get("OMNID_BENCH_BASELINE")
+        if not exe:
+            raise Unavailable("OMNID_BENCH_BASELINE is not set (the path of another omnid build)")
+        saved = os.environ.get("OMNID_BENCH_EXE")
+        os.environ["OMNID_BENCH_EXE"] = exe
+        try:
+            return super().prepare.__func__(cls, ctx)
+        finally:
+            if saved is None:
+                del os.environ["OMNID_BENCH_EXE"]
+            else:
+                os.environ["OMNID_BENCH_EXE"] = saved
+
+
 ADAPTERS: dict[str, type[Adapter]] = {
     "omnid": Omnid,
     "supervisord": Supervisord,
     "circus": Circus,
+    "runit": Runit,
+    "omnid-base": OmnidBaseline,
 }

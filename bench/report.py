@@ -9,14 +9,16 @@ import sys
 from pathlib import Path
 
 ORDER = [
-    "start_1", "start_16", "start_64", "start_256", "ready_1", "ready_16", "ready_64", "ready_256",
+    "start_1", "start_16", "start_64", "start_256", "first_1", "first_16", "first_64", "first_256",
+    "ready_1", "ready_16", "ready_64", "ready_256",
     "death_notify", "death_replace", "death_health", "death_event_norestart",
-    "stop_16", "stop_64", "stop_256", "stop_kill_error", "stop_term_delivery",
+    "stop_16", "stop_64", "stop_256", "stop_first_term_16", "stop_first_term_64", "stop_first_term_256",
+    "stop_kill_error", "stop_term_delivery",
     "residue_setsid", "residue_sigkill",
-    "idle_cpu", "idle_rss",
+    "idle_cpu", "idle_rss", "idle_pss",
     "control_status", "health_load",
 ]
-PEERS = ["supervisord", "circus"]
+PEERS = ["supervisord", "circus", "runit", "omnid-base"]
 
 
 def _num(x: float | None) -> str:

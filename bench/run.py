@@ -1,6 +1,6 @@
-"""omnid vs supervisord vs Circus: one command, one machine, one child program.
+"""omnid vs supervisord, Circus and runit: one command, one machine, one child program.
 
-    /work/main/.venv/bin/python -m bench [--quick] [--only omnid,supervisord,circus]
+    /work/main/.venv/bin/python -m bench [--quick] [--only omnid,supervisord,circus,runit]
                                          [--out bench/results/NAME.json]
 
 See bench/README.md for what each figure means. Run by hand; never part of
@@ -36,8 +36,8 @@ SCENARIOS = ["residue", "death", "stop", "idle", "start"]
 
 # Per-supervisor time caps (seconds) of the full run, sized for 2 cores.
 FULL = {
-    "samples": 30, "ns": [1, 64, 256], "stop_ns": [64, 256], "idle_n": 256, "idle_s": 30.0, "load_s": 5.0,
-    "cap_start": {1: 100, 64: 240, 256: 420}, "cap_death": 180, "cap_stop": 100,
+    "samples": 30, "ns": [16, 64, 256], "stop_ns": [64, 256], "idle_n": 256, "idle_s": 30.0, "load_s": 5.0,
+    "cap_start": {16: 120, 64: 240, 256: 420}, "cap_death": 180, "cap_stop": 100,
     "residue_runs": 1, "deadline": 1200,
 }
 QUICK = {
@@ -57,8 +57,8 @@ def _loadavg() -> str:
 def parse(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="omnid,supervisord,circus",
-                    help="comma-separated supervisors (default: all three)")
+    ap.add_argument("--only", default="omnid,supervisord,circus,runit",
+                    help="comma-separated supervisors (default: all four)")
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 5 samples, N = 1/16/64, 5 s idle")
     ap.add_argument("--out", type=Path, default=None,
@@ -72,6 +72,7 @@ def parse(argv) -> argparse.Namespace:
     ap.add_argument("--child", choices=["auto", "c", "python"], default="auto",
                     help="child program: static C (default when gcc works) or Python")
     ap.add_argument("--keep", action="store_true", help="keep the temporary run directory")
+    ap.add_argument("--ns", default=None, help="comma-separated N for the start figures (default 16,64,256)")
     a = ap.parse_args(argv)
     a.sups = [s.strip() for s in a.only.split(",") if s.strip()]
     bad = [s for s in a.sups if s not in ADAPTERS]
@@ -89,6 +90,9 @@ def main(argv=None) -> int:
     prof = dict(QUICK if a.quick else FULL)
     if a.samples:
         prof["samples"] = a.samples
+    if a.ns:
+        prof["ns"] = [int(x) for x in a.ns.split(",")]
+        prof["cap_start"] = {n: prof["cap_start"].get(n, 60 + n) for n in prof["ns"]}
     if a.deadline:
         prof["deadline"] = a.deadline
     deadline = Deadline(prof["deadline"])

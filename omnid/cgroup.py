@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import errno
 import os
 import re
@@ -141,7 +140,9 @@ class _Inotify:
     _EV = struct.Struct("iIII")
 
     def __init__(self) -> None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        # The interpreter already links libc (ctypes.util.find_library would cost the daemon's
+        # start ~2 ms of imports: shutil, tempfile).
+        libc = ctypes.CDLL(None, use_errno=True)
         self._add = libc.inotify_add_watch
         self._add.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32)
         self._rm = libc.inotify_rm_watch
@@ -540,9 +541,10 @@ def claim(path: str) -> None:
         log.warning("cannot mark the cgroup root as omnid's", root=path, error=str(exc))
 
 
-def discover(explicit: str | None, source: str = "--cgroup-root") -> CgroupRoot | None:
+def discover(explicit: str | None, source: str = "--cgroup-root", companions: tuple[int, ...] = ()) -> CgroupRoot | None:
     """The cgroup root to use, or None (process groups). An explicit root that cannot be
-    used is an error (CgroupError); the automatic one falls back with one log line."""
+    used is an error (CgroupError); the automatic one falls back with one log line.
+    `companions`: our own processes already started (the spawner) that move with us."""
     if explicit:
         validate(explicit)
         claim(explicit)
@@ -564,6 +566,8 @@ def discover(explicit: str | None, source: str = "--cgroup-root") -> CgroupRoot 
             # Move this process and its threads (none yet) into the leaf: units can be
             # siblings only if no process sits in an inner cgroup.
             _write(os.path.join(leaf, "cgroup.procs"), "0")
+            for pid in companions:  # single-threaded, and no spawn asked of it yet
+                _write(os.path.join(leaf, "cgroup.procs"), str(pid))
             claim(own)
             return CgroupRoot(own, "systemd delegation")
         except (CgroupError, OSError) as exc:
@@ -716,15 +720,16 @@ def check_stack_keys(root: CgroupRoot | None, stack) -> None:
         raise CgroupError("; ".join(errs))
 
 
-def start(explicit: str | None, origin: str, stack) -> CgroupRoot | None:
-    """At daemon start, before the spawner exists: discover the root (`explicit`, as resolved by
-    omnid.settings from `origin`: flag, env or omnid.toml; else delegation), refuse unit keys it
-    cannot honour (CgroupError naming unit and key), clean a previous daemon's cgroups."""
+def start(explicit: str | None, origin: str, stack, companions: tuple[int, ...] = ()) -> CgroupRoot | None:
+    """At daemon start, before the spawner has spawned anything: discover the root (`explicit`,
+    as resolved by omnid.settings from `origin`: flag, env or omnid.toml; else delegation; the
+    daemon and its `companions` move into its leaf), refuse unit keys it cannot honour
+    (CgroupError naming unit and key), clean a previous daemon's cgroups."""
     source = {"flag": "--cgroup-root", "env": "OMNID_CGROUP_ROOT",
               "omnid.toml": f"cgroup_root in {getattr(stack.settings, 'file', 'omnid.toml')}"}.get(origin) \
         if explicit else None
     try:
-        root = discover(explicit, source or "")
+        root = discover(explicit, source or "", companions)
     except CgroupError as exc:
         raise CgroupError(f"{source}: {exc}") from None
     try:

@@ -35,10 +35,25 @@ def control_of(a: argparse.Namespace) -> str:
 
 # --------------------------------------------------------------------------- commands
 def cmd_daemon(a: argparse.Namespace) -> int:
-    from omnid import daemon
+    from omnid import linux, spawnstart
 
-    return daemon.run(a.units, a.control, a.state_dir, a.health_listen, a.log_format, log_file=a.log_file,
-                      cgroup_root=a.cgroup_root, takeover=a.takeover)
+    if a.takeover is not None:  # omnid reexec: the spawner runs on; the new program takes it over
+        from omnid import daemon
+
+        return daemon.run(a.units, a.control, a.state_dir, a.health_listen, a.log_format, log_file=a.log_file,
+                          cgroup_root=a.cgroup_root, takeover=a.takeover)
+    # The spawner first, by exec, while this process is small and has no thread: its
+    # interpreter starts while the daemon loads the rest of itself (the first unit waits for
+    # the longer of the two, not for both). Inherited fds stay out of it.
+    linux.mark_fds_non_inheritable()
+    spawner = spawnstart.launch()
+    try:
+        from omnid import daemon
+
+        return daemon.run(a.units, a.control, a.state_dir, a.health_listen, a.log_format, log_file=a.log_file,
+                          cgroup_root=a.cgroup_root, spawner=spawner)
+    finally:
+        spawner.close()  # only when the daemon stopped before taking it over
 
 
 def cmd_check(a: argparse.Namespace) -> int:
@@ -414,7 +429,8 @@ def cmd_events(a: argparse.Namespace) -> int:
     client.close()
     now = time.time()
     for u in snap:
-        ev = {"ts": now, "unit": u["name"], "pid": u.get("pid"), "from": None, "to": u["state"],
+        # Stamped with the time of the change that led to the state, not of this request.
+        ev = {"ts": u.get("since") or now, "unit": u["name"], "pid": u.get("pid"), "from": None, "to": u["state"],
               "reason": u.get("reason") or None, "current": True}
         print(json.dumps(ev) if a.json else format_event(ev), flush=True)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -491,11 +507,68 @@ def _version() -> str:
     return version()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, saying which choice was meant: `omnid stauts` -> did you mean status?"""
+
+    def _check_value(self, action: argparse.Action, value: object) -> None:
+        if action.choices is not None and value not in action.choices and isinstance(value, str):
+            import difflib
+
+            choices = [str(c) for c in action.choices]
+            close = difflib.get_close_matches(value, choices, n=1, cutoff=0.6)
+            what = "command" if isinstance(action, argparse._SubParsersAction) else "choice"
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise argparse.ArgumentError(action, f"invalid {what} {value!r}{hint} (choose from "
+                                                 f"{', '.join(choices)})")
+        super()._check_value(action, value)
+
+
+MAN_PAGES = {"omnid": "8", "omnid.unit": "5", "omnid-control": "7"}
+
+
+def man_page(page: str) -> Path | None:
+    """Where a manual page is: installed under the interpreter's prefix (pip install puts it in
+    share/man), else in the checkout an editable install runs from."""
+    sect = MAN_PAGES[page]
+    for candidate in (Path(sys.prefix) / "share" / "man" / f"man{sect}" / f"{page}.{sect}",
+                      Path(__file__).resolve().parent.parent / "man" / f"{page}.{sect}"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def cmd_man(a: argparse.Namespace) -> int:
+    path = man_page(a.page)
+    if path is None:
+        raise CliError(f"the {a.page}({MAN_PAGES[a.page]}) page is not installed with this omnid "
+                       f"(looked in {sys.prefix}/share/man and beside the omnid package)")
+    if a.path:
+        print(path)
+        return EXIT_OK
+    import shutil
+
+    if shutil.which("man") is None:
+        raise CliError(f"man is not installed; the page is {path} (mandoc -a {path}, or read it as text)")
+    os.execvp("man", ["man", "-l", str(path)])
+    return EXIT_FAILED  # not reached: exec replaced this process
+
+
+class _VersionAction(argparse.Action):
+    """--version, looked up only when asked: importlib.metadata costs every other command ~10 ms."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: object) -> None:
+        print(f"omnid {_version()}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="omnid", description="process supervisor for GPU inference stacks",
+    p = _Parser(prog="omnid", description="process supervisor for GPU inference stacks",
                                 epilog="exit codes: 0 ok, 1 the operation failed, 2 usage or configuration "
                                        "error, 3 no daemon running (omnid stop: 0). See omnid(8).")
-    p.add_argument("--version", action="version", version=f"omnid {_version()}")
+    p.add_argument("--version", action=_VersionAction)
     p.add_argument("--control", default=None, metavar="PATH",
                    help="control socket path (default: $OMNID_CONTROL, then omnid.toml's control for start, "
                         "then /run/omnid/control.sock as root)")
@@ -602,6 +675,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the stack runs on this host: a missing executable, user, group or cwd is an error "
                         "(exit 2), not a warning")
     c.set_defaults(func=cmd_check)
+
+    m = sub.add_parser("man", help="show a manual page: omnid(8), omnid.unit(5) or omnid-control(7)")
+    m.add_argument("page", nargs="?", default="omnid", choices=list(MAN_PAGES),
+                   help="which page (default omnid)")
+    m.add_argument("--path", action="store_true", help="print where the page is instead of showing it")
+    m.set_defaults(func=cmd_man)
     return p
 
 

@@ -19,13 +19,17 @@ import socket
 import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnid.ownership import UnsafePath, check_private_dir, owner_name
 
 import structlog
-import zmq
-import zmq.asyncio
+
+if TYPE_CHECKING:
+    import zmq.asyncio
+
+# zmq is imported where the control socket is made, not here: ControlError is needed by
+# modules on the way to the first spawn, and libzmq's import is not (omnid/daemon.py).
 
 log = structlog.get_logger("omnid.control")
 
@@ -104,6 +108,9 @@ Handler = Callable[[dict], Awaitable[Any]]
 
 class ControlServer:
     def __init__(self, ctx: zmq.asyncio.Context, control: str, handlers: dict[str, Handler]) -> None:
+        import zmq
+
+        self._noblock, self._zmq_error = zmq.NOBLOCK, zmq.ZMQError
         self.control = control
         self.handlers = handlers
         self.router = ctx.socket(zmq.ROUTER)
@@ -157,8 +164,8 @@ class ControlServer:
 
     def publish(self, event: dict) -> None:
         try:
-            self._pub_now.send(json.dumps(event).encode(), zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
+            self._pub_now.send(json.dumps(event).encode(), self._noblock)
+        except self._zmq_error as exc:
             log.warning("event not published", error=str(exc))
 
     async def _serve(self) -> None:
@@ -167,7 +174,7 @@ class ControlServer:
                 frames = await self.router.recv_multipart(copy=True)
             except asyncio.CancelledError:
                 raise
-            except zmq.ZMQError as exc:
+            except self._zmq_error as exc:
                 log.warning("control socket receive failed", error=str(exc))
                 continue
             if len(frames) < 2:
@@ -216,7 +223,7 @@ class ControlServer:
                                "error": {"code": "internal", "message": f"reply not serialisable: {exc}"}}).encode()
         try:
             await self.router.send_multipart([*envelope, data])
-        except zmq.ZMQError as exc:
+        except self._zmq_error as exc:
             log.info("control client went away before its reply", error=str(exc))
 
     async def close(self) -> None:

@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 
 import structlog
-import zmq
-import zmq.asyncio
 
 from omnid import cgroup as cgroup_mod
 from omnid import linux, logconfig, settings, startup
@@ -35,6 +33,7 @@ from omnid.metrics import DaemonMetrics
 from omnid.notify import NotifyServer
 from omnid.ownership import UnsafePath, check_private_dir, raise_nofile_limit
 from omnid.spawnclient import SpawnerClient, SpawnerGone
+from omnid.spawnstart import SpawnerProcess
 from omnid.statefile import StateFile, find_leftovers, kill_leftovers
 from omnid.systemd import ServiceNotifier
 from omnid.tasks import DaemonTask, report_crash
@@ -97,7 +96,7 @@ class Daemon:
         self.program_since = time.time()  # when this program of the daemon began (a re-exec begins another)
         self.handover_ms: float | None = None  # exec -> every unit taken over, at the last re-exec
         self.handlers: ControlHandlers | None = None
-        self.zmq: zmq.asyncio.Context | None = None
+        self.zmq = None  # the zmq.asyncio.Context, made once the first tier is out
         self.health_fd = -1  # a dup of the health listening socket, kept for a re-exec
         self.lock_fd = -1  # the state directory's lock, held for the daemon's life
         self.log_file: str | None = None
@@ -181,12 +180,12 @@ class Daemon:
         if takeover is not None:
             self.notify.counters.update({k: int(v) for k, v in takeover["notify"]["counters"].items()})
         self.notify.start()
-        from omnid import gpu as gpu_mod
+        # The first tier is spawned before the GPU backend, ZeroMQ and the HTTP server are
+        # loaded, unless a unit needs the GPU check (a leftover holding its GPU) to start.
+        if any(u.gpus for u in self.stack):
+            from omnid import gpu as gpu_mod
 
-        self.gpu = gpu_mod.open_backend()
-        if not self.gpu.available:
-            log.info("GPU checks off", reason=self.gpu.reason)
-        self.zmq = zmq.asyncio.Context()
+            self.gpu = gpu_mod.open_backend()
         self.sup = Supervisor(self.stack, self.spawner, token=self.token, notify_socket=self.notify.address,
                               publish=self._publish,
                               on_pids_changed=self._schedule_state_write,
@@ -200,10 +199,25 @@ class Daemon:
             self.exit_code = 2  # named on stderr and in the log; nothing is started
             self.shutdown_requested.set()
         self.handlers = ControlHandlers(self)
+        health_sock = self._health_socket(takeover)
+        if health_sock is not None and not self.shutdown_requested.is_set():
+            if takeover is None:
+                self.sup.kick()
+                # Three turns of the loop (converge, the spawns, the spawner client's send): the
+                # first tier's requests are out before anything below is imported.
+                for _ in range(3):
+                    await asyncio.sleep(0)
+            else:
+                self.sup.resume()
+        if self.gpu is None:
+            from omnid import gpu as gpu_mod
+
+            self.gpu = self.sup.gpu = gpu_mod.open_backend()
+        if not self.gpu.available:
+            log.info("GPU checks off", reason=self.gpu.reason)
         self._open_control()
         if self.gpu.available:
             self._gpu_task = DaemonTask("GPU watch", lambda: loop.create_task(self._gpu_watch())).start()
-        health_sock = self._health_socket(takeover)
         self._write_state()
         if takeover is not None:
             self.handover_ms = round((time.monotonic() - float(takeover["exec_at"])) * 1000, 1)
@@ -217,10 +231,6 @@ class Daemon:
         elif health_sock is not None:
             self.service.status(f"starting: {startup.progress(self.sup)}")
             self.service.start_watchdog()
-            if takeover is None:
-                self.sup.kick()
-            else:
-                self.sup.resume()
             self._health_task = report_crash(loop.create_task(self._start_health(health_sock)), "health API start")
             if takeover is not None and takeover["settled"]:
                 self.settled.set()
@@ -236,6 +246,9 @@ class Daemon:
 
     def _open_control(self) -> None:
         assert self.handlers is not None
+        import zmq.asyncio  # after the first tier is out (its import starts libzmq's threads)
+
+        self.zmq = zmq.asyncio.Context()
         self.control = ControlServer(self.zmq, self.cfg.control, self.handlers.table())
         self.control.bind()
         # Daemon-wide tasks are supervised: a crash is logged and the task restarted.
@@ -355,7 +368,6 @@ class Daemon:
 
     async def reopen_after_failed_exec(self) -> None:
         loop = asyncio.get_running_loop()
-        self.zmq = zmq.asyncio.Context()
         self._open_control()
         sock = socket.socket(fileno=os.dup(self.health_fd))
         sock.setblocking(False)
@@ -481,9 +493,11 @@ class Daemon:
 
 def run(units_dir: str | None, control: str | None, state_dir: str | None, health_listen: str | None,
         log_format: str | None, log_file: str | None = None,
-        cgroup_root: str | None = None, takeover: int | None = None) -> int:
+        cgroup_root: str | None = None, takeover: int | None = None,
+        spawner: SpawnerProcess | None = None) -> int:
     """The `omnid daemon` command. Returns the process exit code. `takeover`: the fd of the
-    handover a previous program of this daemon left (omnid reexec)."""
+    handover a previous program of this daemon left (omnid reexec). `spawner`: one already
+    started (omnid.spawnstart), taken over; else one is started here."""
     # SIGHUP means reload once the loop runs; before that, it must not kill the daemon.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     udir = os.path.abspath(units_dir or default_units_dir())
@@ -538,7 +552,8 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
     # The cgroup root (resolved like every setting, else systemd delegation): check memory_max /
     # tasks_max against it, and kill a previous daemon's unit cgroups.
     try:
-        daemon.cgroups = cgroup_mod.start(cfg.cgroup_root, cfg.source("cgroup_root"), stack)
+        daemon.cgroups = cgroup_mod.start(cfg.cgroup_root, cfg.source("cgroup_root"), stack,
+                                          companions=(spawner.pid,) if spawner else ())
     except cgroup_mod.CgroupError as exc:
         print(f"omnid: {exc}", file=sys.stderr)
         return 2
@@ -552,7 +567,7 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
             if alive:
                 log.error("leftovers of a previous daemon survived SIGKILL", processes=alive)
     # Start the spawner by exec while this process has no threads yet.
-    daemon.spawner.launch()
+    daemon.spawner.launch(spawner)
     # After the spawner's exec, so units keep the usual soft limit: health connections,
     # pidfds and pipes must not run libzmq out of fds (it aborts on EMFILE).
     raise_nofile_limit()

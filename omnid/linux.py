@@ -8,10 +8,12 @@ every spawn slower (no dataclasses, no ctypes.util).
 
 from __future__ import annotations
 
+import array
 import ctypes
 import os
 from collections.abc import Callable
 import signal
+import socket
 from typing import NamedTuple
 
 PR_SET_PDEATHSIG = 1
@@ -20,6 +22,13 @@ PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(None, use_errno=True)  # the interpreter already links libc
 _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 _libc.prctl.restype = ctypes.c_int
+_libc.syscall.restype = ctypes.c_long
+
+# set_mempolicy(2) has no glibc wrapper (libnuma has one): the syscall by number.
+_SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237, "ppc64le": 261, "ppc64": 261, "s390x": 270,
+                      "riscv64": 237, "loongarch64": 237}.get(os.uname().machine)
+MPOL_PREFERRED = 1
+MPOL_PREFERRED_MANY = 5  # Linux 5.15
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -36,6 +45,41 @@ def set_pdeathsig(sig: int) -> None:
 
 def set_child_subreaper() -> None:
     prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def nodemask(nodes) -> tuple[ctypes.Array, int]:
+    """(a C nodemask with `nodes` set, maxnode) for set_mempolicy. maxnode is one more than the
+    mask's bits: the kernel drops the last bit, as libnuma knows."""
+    words = max(nodes, default=0) // 64 + 1
+    mask = (ctypes.c_ulong * words)()
+    for n in nodes:
+        mask[n // 64] |= 1 << (n % 64)
+    return mask, words * 64 + 1
+
+
+def set_mempolicy(mode: int, mask: ctypes.Array, maxnode: int, many_fallback: bool = False) -> None:
+    """The calling thread's memory policy (inherited by children and kept across exec).
+    With many_fallback, a kernel older than 5.15 (no MPOL_PREFERRED_MANY) keeps its default
+    policy instead of failing: the CPU affinity already makes first touches local."""
+    if _SYS_SET_MEMPOLICY is None:
+        raise OSError(0, f"set_mempolicy: syscall number unknown on {os.uname().machine}")
+    if _libc.syscall(ctypes.c_long(_SYS_SET_MEMPOLICY), ctypes.c_long(mode), mask, ctypes.c_ulong(maxnode)) != 0:
+        err = ctypes.get_errno()
+        if many_fallback and mode == MPOL_PREFERRED_MANY and err == 22:  # EINVAL: mode unknown here
+            return
+        raise OSError(err, f"set_mempolicy: {os.strerror(err)}")
+
+
+def recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int]]:
+    """One datagram and the fds that came with it, received close-on-exec (socket.recv_fds
+    leaves them inheritable: a fork before they are handed on would leak them to a unit)."""
+    fds = array.array("i")
+    data, anc, _flags, _addr = sock.recvmsg(bufsize, socket.CMSG_LEN(maxfds * fds.itemsize),
+                                            socket.MSG_CMSG_CLOEXEC)
+    for level, kind, cdata in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(cdata[: len(cdata) - (len(cdata) % fds.itemsize)])
+    return data, list(fds)
 
 
 def pidfd_open(pid: int) -> int:
@@ -122,9 +166,15 @@ class ProcStat(NamedTuple):
 
 def read_stat(pid: int) -> ProcStat | None:
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
+        # os-level I/O: no file object, on the spawner's path for every child.
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            raw = os.read(fd, 4096)
+        finally:
+            os.close(fd)
     except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    if not raw:
         return None
     # comm may contain spaces and parentheses: split on the last ')'.
     lpar = raw.index(b"(")

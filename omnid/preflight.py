@@ -5,7 +5,10 @@ or its working directory is missing: say so before starting.
 
 The answers are about *this* host. `omnid check` prints them as warnings (the
 stack may be meant for another host); `omnid check --this-host` makes them
-errors (exit 2).
+errors (exit 2). NUMA placement (omnid.numa) adds notes: the unit's own numactl or
+thread-pinning env (always), and, with --this-host, GPUs whose NUMA node cannot be read
+here (a warning: the unit still starts, unplaced) and a `numa = N` this host has no
+node N for (an error: that spawn would fail).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import pwd
 import shutil
 import sys
 from dataclasses import dataclass
+
+from omnid import numa
 
 
 @dataclass(frozen=True)
@@ -85,4 +90,8 @@ def check(stack, this_host: bool = False) -> list[HostProblem]:
             add("group", f"no group {u.group!r} on this host")
         if u.cwd is not None and not os.path.isdir(u.cwd):
             add("cwd", f"directory {u.cwd} does not exist on this host")
+        for key, note, fails in numa.unit_notes(u, this_host):
+            if (f, "numa:" + key) not in seen:
+                seen.add((f, "numa:" + key))
+                out.append(HostProblem(u.name, f, key, note, severity if fails else "warning"))
     return out

@@ -121,6 +121,9 @@ def print_unit_detail(u: dict, lines: list[dict], *, colour: bool | None = None)
         print(f"     Tasks: {use[2]}")
         print(f"    Memory: {human_bytes(use[0])}")
         print(f"       CPU: {use[1]:.3f}s")
+    if u.get("placement") is not None:
+        for line in placement_lines(u["placement"], u.get("pid")):
+            print(line)
     if u.get("gpu_mib") is not None:
         print(f"  GPU mem.: {u['gpu_mib']:.0f} MiB")
     if u.get("gpu_held"):
@@ -147,6 +150,30 @@ def print_unit_detail(u: dict, lines: list[dict], *, colour: bool | None = None)
         print()
         for item in lines:
             print(format_log_line(item))
+
+
+def placement_lines(p: dict, pid: int | None) -> list[str]:
+    """`omnid status UNIT`: the NUMA placement omnid sets at spawn (omnid.numa), and what the
+    kernel says about the running process."""
+    if p.get("error"):
+        lines = [f"      NUMA: none: {p['error']}"]
+    elif p.get("cpus") or p.get("memory") not in (None, "default"):
+        nodes = p.get("nodes") or []
+        where = ("nodes " if len(nodes) > 1 else "node ") + ",".join(map(str, nodes))
+        memory = (f"memory {p['memory']} on {p['memory_nodes']}" if p.get("memory") not in (None, "default")
+                  else "memory default")
+        lines = [f"      NUMA: {where} (from {p.get('source')}): CPUs {p.get('cpus') or 'not set'}, {memory}"]
+    else:
+        lines = ["      NUMA: none" + (f" (from {p['source']})" if p.get("source") else "")]
+    if p.get("note"):
+        lines.append(f"            {p['note']}")
+    if pid:
+        from omnid.numa import kernel_placement
+
+        seen = kernel_placement(pid)
+        if seen:
+            lines.append(f"    kernel: {seen}")
+    return lines
 
 
 def format_log_line(item: dict, unit: str | None = None) -> str:
@@ -187,10 +214,13 @@ def print_summary(summary: list[dict]) -> None:
 
 
 def format_event(ev: dict) -> str:
+    """One event line: `12:00:01.234 worker@0 pid 12670: starting -> active — reason`. A unit's
+    current state (`omnid events` starts with one per unit) has no "from": `-> active`."""
     ts = datetime.fromtimestamp(ev.get("ts") or time.time()).strftime("%H:%M:%S.%f")[:-3]
     pid = f" pid {ev['pid']}" if ev.get("pid") else ""
     reason = f" — {ev['reason']}" if ev.get("reason") else ""
-    return f"{ts} {ev.get('unit')}{pid}: {ev.get('from')} -> {ev.get('to')}{reason}"
+    change = f"{ev['from']} -> {ev.get('to')}" if ev.get("from") else f"-> {ev.get('to')}"
+    return f"{ts} {ev.get('unit')}{pid}: {change}{reason}"
 
 
 def print_reload_plan(plan: dict) -> None:

@@ -3,6 +3,10 @@
 Starts the spawner by posix_spawn (vfork + exec: safe from a threaded process,
 never a fork of the daemon), then turns its datagrams into awaitable spawn
 results and exit reports on the daemon's event loop.
+
+Spawns asked for in one turn of the loop (a tier's units, started together) go out as one
+datagram at the end of that turn, their common environment once; the spawner answers what
+one turn of its own loop learnt in one datagram too, pidfds attached.
 """
 
 from __future__ import annotations
@@ -13,13 +17,14 @@ import json
 import os
 import signal
 import socket
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 
-from omnid import linux
+from omnid import linux, spawnstart
+from omnid.numa import Placement
+from omnid.spawnstart import SpawnerProcess
 
 log = structlog.get_logger("omnid.spawner")
 
@@ -36,6 +41,8 @@ class SpawnRequest:
     group: str | None = None
     rlimits: tuple[tuple[int, int, int], ...] = ()
     cgroup: str | None = None
+    # CPU affinity and memory policy set before exec (omnid.numa.placement_for); None = none.
+    placement: Placement | None = None
 
 
 @dataclass(frozen=True)
@@ -123,7 +130,50 @@ def decode(msg: object) -> SpawnerMessage:
 def spawn_wire(rid: int, req: SpawnRequest) -> dict:
     """The spawn request as the spawner reads it (see omnid/spawner.py)."""
     return {"op": "spawn", "id": rid, "unit": req.unit, "argv": list(req.argv), "env": req.env, "cwd": req.cwd,
-            "user": req.user, "group": req.group, "rlimits": [list(r) for r in req.rlimits], "cgroup": req.cgroup}
+            "user": req.user, "group": req.group, "rlimits": [list(r) for r in req.rlimits], "cgroup": req.cgroup,
+            "placement": req.placement.to_wire() if req.placement is not None else None}
+
+
+MAX_BATCH_FDS = 250  # fds in one datagram (the kernel's SCM_MAX_FD is 253)
+MAX_BATCH_BYTES = MAX_MESSAGE // 2
+
+
+@dataclass
+class _Queued:
+    """A spawn waiting for the end of this turn of the loop."""
+
+    rid: int
+    wire: dict  # spawn_wire without its env
+    env: dict[str, str]
+    fds: list[int]  # the caller's, which it keeps open until its spawn() returns
+
+
+def batch_datagrams(queued: list[_Queued]) -> list[tuple[bytes, list[int], list[_Queued]]]:
+    """The queued spawns as datagrams: each with the first spawn's environment as the base
+    and, per spawn, only what differs; within the kernel's fd limit and MAX_BATCH_BYTES."""
+    out: list[tuple[bytes, list[int], list[_Queued]]] = []
+    i = 0
+    while i < len(queued):
+        base = queued[i].env
+        head = b'{"op": "spawn", "env": ' + json.dumps(base).encode() + b', "batch": ['
+        items: list[bytes] = []
+        fds: list[int] = []
+        taken: list[_Queued] = []
+        size = len(head)
+        while i < len(queued):
+            q = queued[i]
+            delta = {k: v for k, v in q.env.items() if base.get(k) != v} if q.env is not base else {}
+            unset = [k for k in base if k not in q.env] if q.env is not base else []
+            item = json.dumps({**q.wire, "env": delta, "unset": unset, "nfds": len(q.fds)}).encode()
+            if taken and (len(fds) + len(q.fds) > MAX_BATCH_FDS or size + len(item) > MAX_BATCH_BYTES):
+                break
+            items.append(item)
+            fds.extend(q.fds)
+            taken.append(q)
+            size += len(item) + 2
+            i += 1
+        out.append((head + b", ".join(items) + b"]}", fds, taken))
+    return out
 
 
 class SpawnerClient:
@@ -140,37 +190,39 @@ class SpawnerClient:
         self.start_time = 0
         self._hello: asyncio.Future | None = None
         self._closed = False
+        self._queue: list[_Queued] = []  # spawns of this turn of the loop (one datagram at its end)
+        self._flush_scheduled = False
+        self._writer = False  # waiting for room in the socket buffer
+        self._hello_timer: asyncio.TimerHandle | None = None
 
-    def launch(self) -> None:
-        """Start the spawner by exec. Callable before the event loop runs."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        for s in (ours, theirs):
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        theirs.set_inheritable(True)
-        env = dict(os.environ)
-        env.pop("NOTIFY_SOCKET", None)
-        # -P: the spawner comes from the interpreter's path, never from the working directory.
-        argv = [sys.executable, "-P", "-m", "omnid.spawner", str(theirs.fileno()), str(os.getpid())]
-        # Its own session: a SIGTERM or Ctrl+C to the daemon's process group must reach
-        # the daemon only, which then stops the stack in order.
-        self.pid = os.posix_spawn(sys.executable, argv, env, setsid=True)
-        self.pidfd = linux.pidfd_open(self.pid)
-        self.start_time = linux.start_time_of(self.pid) or 0
-        theirs.close()
-        ours.setblocking(False)
-        self.sock = ours
+    def launch(self, started: SpawnerProcess | None = None) -> None:
+        """Start the spawner by exec (or take over one `omnid.spawnstart.launch` started).
+        Callable before the event loop runs."""
+        started = started or spawnstart.launch()
+        started.adopted = True
+        self.pid, self.pidfd, self.start_time, self.sock = started.pid, started.pidfd, started.start_time, started.sock
 
     async def attach(self, timeout: float = 10.0) -> None:
+        """Watch the spawner's socket and pidfd from the loop. Spawn requests may be sent at
+        once (the kernel holds them until the spawner reads); a spawner that has not said
+        hello within `timeout` is given up as gone."""
         loop = asyncio.get_running_loop()
         self._hello = loop.create_future()
         assert self.sock is not None
         loop.add_reader(self.sock.fileno(), self._readable)
         loop.add_reader(self.pidfd, self._spawner_died)
-        try:
-            await asyncio.wait_for(self._hello, timeout)
-        except asyncio.TimeoutError as exc:
-            raise SpawnerGone(f"spawner (pid {self.pid}) did not answer within {timeout:.0f} s") from exc
+        self._hello_timer = loop.call_later(timeout, self._no_hello, timeout)
+
+    async def wait_ready(self, timeout: float = 10.0) -> int:
+        """Until the spawner has said hello (its pid); spawns need not wait for this."""
+        assert self._hello is not None, "attach() first"
+        return await asyncio.wait_for(asyncio.shield(self._hello), timeout)
+
+    def _no_hello(self, timeout: float) -> None:
+        if self._hello is None or self._hello.done() or self._closed:
+            return
+        log.error("the spawner did not answer; giving it up", pid=self.pid, seconds=timeout)
+        linux.pidfd_send_signal(self.pidfd, signal.SIGKILL)  # its death runs _spawner_died
 
     def adopt(self, pid: int, pidfd: int, sock_fd: int, start_time: int) -> None:
         """Take over the spawner a previous program of this daemon started (omnid reexec):
@@ -189,6 +241,8 @@ class SpawnerClient:
         return {"pid": self.pid, "pidfd": self.pidfd, "sock": self.sock.fileno(), "start_time": self.start_time}
 
     def _spawner_died(self) -> None:
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
         if self._closed:
             return
         loop = asyncio.get_running_loop()
@@ -211,7 +265,7 @@ class SpawnerClient:
         assert self.sock is not None
         while True:
             try:
-                data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, 4)
+                data, fds = linux.recv_fds(self.sock, MAX_MESSAGE, MAX_BATCH_FDS + 3)
             except BlockingIOError:
                 return
             except OSError as exc:
@@ -226,7 +280,26 @@ class SpawnerClient:
                 for fd in fds:
                     os.close(fd)
                 continue
-            self._dispatch(msg, fds)
+            if isinstance(msg, dict) and msg.get("op") == "batch":
+                self._dispatch_batch(msg, fds)
+            else:
+                self._dispatch(msg, fds)
+
+    def _dispatch_batch(self, msg: dict, fds: list[int]) -> None:
+        """The events of one turn of the spawner's loop, in order; each "spawned" takes the
+        next pidfd."""
+        events = msg.get("events")
+        if not isinstance(events, list):
+            log.error("spawner sent a malformed message", error="batch without a list of events")
+            events = []
+        at = 0
+        for ev in events:
+            own: list[int] = []
+            if isinstance(ev, dict) and ev.get("op") == "spawned" and at < len(fds):
+                own, at = [fds[at]], at + 1
+            self._dispatch(ev, own)
+        for fd in fds[at:]:
+            os.close(fd)
 
     def _dispatch(self, raw: dict, fds: list[int]) -> None:
         try:
@@ -261,6 +334,8 @@ class SpawnerClient:
         elif isinstance(msg, Hello):
             if self._hello is not None and not self._hello.done():
                 self._hello.set_result(msg.pid)
+                if self._hello_timer is not None:
+                    self._hello_timer.cancel()
 
     def _kill_unowned(self, pid: int) -> None:
         try:
@@ -270,42 +345,82 @@ class SpawnerClient:
             log.error("cannot ask the spawner to kill an unowned child", pid=pid, error=str(exc))
 
     async def spawn(self, req: SpawnRequest, out_w: int, err_w: int | None = None) -> Spawned:
-        """Spawn one unit process; out_w becomes its stdout, err_w its stderr (out_w when None)."""
+        """Spawn one unit process; out_w becomes its stdout, err_w its stderr (out_w when None).
+        The caller keeps its fds open until this returns (they are sent at the end of this turn
+        of the loop, with the other spawns asked for in it; see the module docstring)."""
         if self._closed or self.sock is None:
             raise SpawnError("spawner is not running")
         rid = next(self._ids)
-        msg = spawn_wire(rid, req)
+        wire = spawn_wire(rid, req)
+        env = wire.pop("env")
+        # What JSON makes of it, near enough for a guard (escapes aside).
+        size = sum(len(a) + 4 for a in req.argv) + sum(len(k) + len(v) + 6 for k, v in env.items())
+        if size > MAX_BATCH_BYTES:
+            raise SpawnError(f"spawn request too large ({size} bytes): environment or argv too big")
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
-        data = json.dumps(msg).encode()
-        if len(data) > MAX_MESSAGE // 2:
-            self._pending.pop(rid, None)
-            raise SpawnError(f"spawn request too large ({len(data)} bytes): environment or argv too big")
-        fds = [out_w] if err_w is None else [out_w, err_w]
+        queued = _Queued(rid, wire, env, [out_w] if err_w is None else [out_w, err_w])
+        self._queue.append(queued)
+        if not self._flush_scheduled and not self._writer:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
         try:
-            socket.send_fds(self.sock, [data], fds)
-        except BlockingIOError:
-            # Socket buffer full: wait until writable, then retry once.
-            await self._wait_writable()
-            socket.send_fds(self.sock, [data], fds)
-        return await fut
+            return await fut
+        except asyncio.CancelledError:
+            # The caller's fds travel by reference until sent: a caller that gives up first
+            # (and closes them) takes its request back; once sent, the kernel holds copies.
+            if queued in self._queue:
+                self._queue.remove(queued)
+                self._pending.pop(rid, None)
+            raise
 
-    async def _wait_writable(self) -> None:
+    def _flush(self) -> None:
+        """Send what this turn of the loop queued; on a full socket buffer, the rest waits
+        for room (add_writer) and goes out in order."""
+        self._flush_scheduled = False
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        assert self.sock is not None
-        fd = self.sock.fileno()
-        loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
-        try:
-            await fut
-        finally:
-            loop.remove_writer(fd)
+        if self._queue and self.sock is not None and not self._closed:
+            for data, fds, taken in batch_datagrams(self._queue):
+                try:
+                    socket.send_fds(self.sock, [data], fds)
+                except BlockingIOError:
+                    if not self._writer:
+                        self._writer = True
+                        loop.add_writer(self.sock.fileno(), self._flush)
+                    return  # the rest stays queued, in order
+                except OSError as exc:
+                    log.error("cannot send spawn requests to the spawner", error=str(exc))
+                    for q in taken:
+                        self._fail_queued(q, f"spawn failed: the spawner cannot be reached: {exc.strerror}")
+                    del self._queue[:len(taken)]
+                    continue
+                del self._queue[:len(taken)]
+        if self._writer:
+            self._writer = False
+            if self.sock is not None:
+                loop.remove_writer(self.sock.fileno())
+        for q in self._queue:  # the spawner went away with these still queued
+            self._fail_queued(q, "spawner is not running")
+        self._queue.clear()
+
+    def _fail_queued(self, q: _Queued, why: str) -> None:
+        fut = self._pending.pop(q.rid, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(SpawnError(why))
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Ask the spawner to exit, wait for it, reap it (it is our only child)."""
         if self.sock is None:
             return
         loop = asyncio.get_running_loop()
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        if self._writer:
+            self._writer = False
+            loop.remove_writer(self.sock.fileno())
+        for q in self._queue:
+            self._fail_queued(q, "spawner is shutting down")
+        self._queue.clear()
         if not self._closed:
             self._closed = True
             try:

@@ -9,19 +9,32 @@ reaps every child and reports each exit, and dies with the daemon.
 
 Protocol, one JSON object per datagram, fds by SCM_RIGHTS:
   daemon -> spawner  {"op": "kill", "pid"}  (a child whose pidfd the daemon could not take)
-                     {"op": "spawn", "id", "unit", "argv", "env", "cwd", "user",
-                      "group", "rlimits", "cgroup"} + [output pipe write end]
+                     {"op": "spawn", "env": BASE, "batch": [SPAWN, ...]} + [each SPAWN's fds, in order]
+                        SPAWN = {"id", "unit", "argv", "env": {changed vars}, "unset": [vars],
+                                 "cwd", "user", "group", "rlimits", "cgroup", "placement", "nfds"}
+                        (a tier's spawns in one datagram: one wake-up, one read, one decode)
+                     {"op": "spawn", "id", "unit", "argv", "env", ...} + [stdout, stderr]  (one spawn)
                      {"op": "shutdown"}
-  spawner -> daemon  {"op": "spawned", "id", "pid", "start_time"} + [pidfd]
-                     {"op": "spawn_failed", "id", "error", "errno"}
-                     {"op": "exit", "pid", "status", "adopted"}
+  spawner -> daemon  {"op": "batch", "events": [EVENT, ...]} + [the pidfds of its "spawned" events]
+                        EVENT = {"op": "spawned", "id", "pid", "start_time"}
+                              | {"op": "spawn_failed", "id", "error", "errno"}
+                              | {"op": "exit", "pid", "status", "adopted"}
+                        (what one turn of the loop learnt, in order: a pid's exit after its spawn)
+                     {"op": "spawn_failed", "id", "error", "errno"}  (refused before any fork)
+                     {"op": "hello", "pid"}
 
-Run as: python -m omnid.spawner FD DAEMON_PID
+"placement" (omnid/numa.py) is {"cpus": [...], "mempolicy": MODE, "nodes": [...]} or
+{"error": TEXT}: the CPU affinity and memory policy the child sets before exec.
+
+Run as: python -m omnid.spawner FD DAEMON_PID. The daemon runs it without site and the
+user's environment (python -I -S -c BOOT, omnid/spawnstart.py): the interpreter is up in a
+few ms and every fork copies a smaller process.
 """
 
 from __future__ import annotations
 
 import errno
+import gc
 import grp
 import json
 import os
@@ -36,6 +49,8 @@ import time
 from omnid import linux
 
 MAX_MESSAGE = 1 << 20
+MAX_FDS = 250  # per datagram; the kernel's SCM_MAX_FD is 253
+MAX_BATCH_BYTES = 1 << 19  # flush an answer datagram beyond this
 CLEANUP_DEADLINE_S = 3.0
 
 
@@ -49,11 +64,14 @@ def assert_single_threaded() -> None:
         raise SpawnerInvariantError(f"refusing to fork: spawner has {n} threads, must have exactly 1")
 
 
-def _child_setup_and_exec(req: dict, out_fd: int, errout_fd: int, err_w: int, spawner_pid: int) -> None:
-    """Runs in the forked child; never returns."""
-    stage = "setup"
+def _child_setup_and_exec(req: dict, out_fd: int, errout_fd: int, err_w: int, spawner_pid: int,
+                          reset_signals: tuple[int, ...] = (), devnull: int = -1,
+                          placement: tuple | None = None) -> None:
+    """Runs in the forked child; never returns. Every Python operation here copies the pages it
+    touches (copy-on-write after fork), so the parent prepared what it could: the signals to
+    reset, /dev/null, the placement's arguments."""
+    stage = "setsid"
     try:
-        stage = "setsid"
         os.setsid()
         stage = "prctl(PR_SET_PDEATHSIG)"
         linux.set_pdeathsig(signal.SIGKILL)
@@ -62,29 +80,35 @@ def _child_setup_and_exec(req: dict, out_fd: int, errout_fd: int, err_w: int, sp
             os._exit(1)
         stage = "signal reset"
         signal.set_wakeup_fd(-1)
-        for sig in signal.valid_signals():
-            if sig in (signal.SIGKILL, signal.SIGSTOP):
-                continue
-            try:
-                signal.signal(sig, signal.SIG_DFL)
-            except (OSError, ValueError):
-                pass  # signals the kernel reserves (32, 33)
-        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        # Handled signals are reset by exec itself; ignored ones would stay ignored in the unit.
+        for sig in reset_signals:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
         stage = "stdio"
-        devnull = os.open("/dev/null", os.O_RDWR)
+        if devnull < 0:
+            devnull = os.open("/dev/null", os.O_RDWR)
         os.dup2(devnull, 0)
         os.dup2(out_fd, 1)
         os.dup2(errout_fd, 2)
         # Close everything else (the error pipe is close-on-exec and must stay open).
         os.closerange(3, err_w)
         os.closerange(err_w + 1, 1 << 20)
-        for res, soft, hard in req.get("rlimits") or []:
+        for res, soft, hard in req.get("rlimits") or ():
             stage = f"setrlimit({res})"
             resource.setrlimit(res, (soft, hard))
         if req.get("cgroup"):
             stage = f"join cgroup {req['cgroup']}"
             with open(os.path.join(req["cgroup"], "cgroup.procs"), "w") as f:
                 f.write("0")
+        if placement is not None:
+            # After the cgroup join: the affinity is set within the cgroup's cpuset.
+            cpus, mode, mask, maxnode = placement
+            if cpus:
+                stage = f"sched_setaffinity(CPUs {req['placement']['cpus']})"
+                os.sched_setaffinity(0, cpus)
+            if mode:
+                stage = f"set_mempolicy(mode {mode}, nodes {req['placement']['nodes']})"
+                linux.set_mempolicy(mode, mask, maxnode, many_fallback=True)
         if req.get("cwd"):
             stage = f"chdir {req['cwd']!r}"
             os.chdir(req["cwd"])
@@ -107,6 +131,8 @@ def _child_setup_and_exec(req: dict, out_fd: int, errout_fd: int, err_w: int, sp
                 os._exit(1)
         stage = "exec"
         argv = req["argv"]
+        if "/" in argv[0]:
+            os.execve(argv[0], argv, req["env"])
         os.execvpe(argv[0], argv, req["env"])
     except BaseException as exc:  # noqa: BLE001 - everything must reach the daemon
         detail = str(exc)
@@ -119,6 +145,14 @@ def _child_setup_and_exec(req: dict, out_fd: int, errout_fd: int, err_w: int, sp
             os.write(err_w, f"{code}\n{stage} failed: {detail}".encode()[:4000])
         finally:
             os._exit(127)
+
+
+def _placement_args(wire: dict) -> tuple:
+    """The child's sched_setaffinity / set_mempolicy arguments, built before fork."""
+    cpus = wire.get("cpus") or ()
+    mode = int(wire.get("mempolicy") or 0)
+    mask, maxnode = linux.nodemask(wire.get("nodes") or ()) if mode else (None, 0)
+    return (tuple(cpus), mode, mask, maxnode)
 
 
 class Launch:
@@ -145,6 +179,10 @@ class Spawner:
         self.poller = select.poll()
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.stopping = False
+        # What this turn of the loop learnt, sent as one datagram at its end: (event, pidfd or -1).
+        self.outbox: list[tuple[dict, int]] = []
+        self.reset_signals: tuple[int, ...] = ()
+        self.devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
 
     # -- messages -------------------------------------------------------------
     def send(self, msg: dict, fds: list[int] | None = None) -> None:
@@ -160,7 +198,50 @@ class Spawner:
                 raise
             self.stopping = True
 
+    def flush(self) -> None:
+        """Send the outbox, in order, as few datagrams as the fd and size limits allow; the
+        pidfds are closed here once the kernel has passed copies to the daemon."""
+        box, self.outbox = self.outbox, []
+        i = 0
+        while i < len(box):
+            events: list[dict] = []
+            fds: list[int] = []
+            size = 0
+            while i < len(box) and len(fds) < MAX_FDS and size < MAX_BATCH_BYTES:
+                ev, fd = box[i]
+                events.append(ev)
+                size += 64 + len(ev.get("error", ""))
+                if fd >= 0:
+                    fds.append(fd)
+                i += 1
+            try:
+                self.send({"op": "batch", "events": events}, fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
     # -- spawning -------------------------------------------------------------
+    def spawn_batch(self, msg: dict, fds: list[int]) -> None:
+        """A tier's spawns in one request: fork them back to back; each child's exec outcome
+        comes back through the poll loop (and out in the batch of that turn)."""
+        base = msg.get("env") or {}
+        at = 0
+        for item in msg.get("batch") or ():
+            n = item.get("nfds", 2) if isinstance(item, dict) else 0
+            mine, at = fds[at:at + n], at + n
+            if not isinstance(item, dict) or not isinstance(base, dict):
+                for fd in mine:
+                    os.close(fd)
+                continue
+            env = dict(base)
+            env.update(item.get("env") or {})
+            for name in item.get("unset") or ():
+                env.pop(name, None)
+            item["env"] = env
+            self.spawn(item, mine)
+        for fd in fds[at:]:
+            os.close(fd)
+
     def spawn(self, req: dict, fds: list[int]) -> None:
         """Fork and set up one child; its exec outcome is reported from the poll loop,
         so many spawns overlap instead of each waiting for the previous exec."""
@@ -169,20 +250,23 @@ class Spawner:
         errout_fd = fds[1] if len(fds) > 1 else out_fd
         for extra in fds[2:]:
             os.close(extra)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        placement = req.get("placement")
+        err_r = err_w = -1
         try:
+            if isinstance(placement, dict) and placement.get("error"):
+                raise ValueError(f"NUMA placement: {placement['error']}")
+            args = _placement_args(placement) if isinstance(placement, dict) else None
+            err_r, err_w = os.pipe2(os.O_CLOEXEC)
             assert_single_threaded()
             pid = os.fork()
         except Exception as exc:
-            os.close(err_r)
-            os.close(err_w)
-            os.close(out_fd)
-            if errout_fd != out_fd:
-                os.close(errout_fd)
-            self.send({"op": "spawn_failed", "id": req["id"], "error": f"fork failed: {exc}", "errno": 0})
+            for fd in {err_r, err_w, out_fd, errout_fd} - {-1}:
+                os.close(fd)
+            what = "spawn refused" if isinstance(exc, ValueError) else "fork failed"
+            self.send({"op": "spawn_failed", "id": req["id"], "error": f"{what}: {exc}", "errno": 0})
             return
         if pid == 0:
-            _child_setup_and_exec(req, out_fd, errout_fd, err_w, self.pid)
+            _child_setup_and_exec(req, out_fd, errout_fd, err_w, self.pid, self.reset_signals, self.devnull, args)
         os.close(err_w)
         os.close(out_fd)
         if errout_fd != out_fd:
@@ -215,20 +299,21 @@ class Spawner:
         if launch.error:
             os.close(launch.pidfd)
             # It never became a unit process: its exit (127) is reported as adopted.
+            # First line: exec(2)'s errno (0 when something else failed), then the text.
             code, _, text = launch.error.decode(errors="replace").partition("\n")
-            self.send({"op": "spawn_failed", "id": launch.rid, "pid": pid, "error": text,
-                       "errno": int(code) if code.isdigit() else 0})
+            self.outbox.append(({"op": "spawn_failed", "id": launch.rid, "pid": pid, "error": text,
+                                 "errno": int(code) if code.isdigit() else 0}, -1))
             adopted = True
         else:
             self.units[pid] = launch.unit
-            self.send({"op": "spawned", "id": launch.rid, "pid": pid, "start_time": launch.start_time},
-                      [launch.pidfd])
-            os.close(launch.pidfd)
+            # The pidfd goes with the event and is closed once sent (flush).
+            self.outbox.append(({"op": "spawned", "id": launch.rid, "pid": pid, "start_time": launch.start_time},
+                                launch.pidfd))
             adopted = False
         if launch.status is not None:
             # It exited before its exec report went out: report the exit after it.
             self.units.pop(pid, None)
-            self.send({"op": "exit", "pid": pid, "status": launch.status, "adopted": adopted})
+            self.outbox.append(({"op": "exit", "pid": pid, "status": launch.status, "adopted": adopted}, -1))
 
     # -- reaping --------------------------------------------------------------
     def reap(self) -> None:
@@ -243,12 +328,12 @@ class Spawner:
                 self.launching[pid].status = status
                 continue
             adopted = self.units.pop(pid, None) is None
-            self.send({"op": "exit", "pid": pid, "status": status, "adopted": adopted})
+            self.outbox.append(({"op": "exit", "pid": pid, "status": status, "adopted": adopted}, -1))
 
     # -- life -----------------------------------------------------------------
     def handle_request(self) -> None:
         try:
-            data, fds, _flags, _addr = socket.recv_fds(self.sock, MAX_MESSAGE, 16)
+            data, fds = linux.recv_fds(self.sock, MAX_MESSAGE, MAX_FDS + 3)
         except (ConnectionResetError, OSError):
             data, fds = b"", []
         if not data:
@@ -260,8 +345,10 @@ class Spawner:
             for fd in fds:
                 os.close(fd)
             return
-        op = req.get("op")
-        if op == "spawn":
+        op = req.get("op") if isinstance(req, dict) else None
+        if op == "spawn" and "batch" in req:
+            self.spawn_batch(req, fds)
+        elif op == "spawn":
             self.spawn(req, fds)
         elif op == "kill":
             # The daemon could not take the pidfd (EMFILE): the child must not run unowned.
@@ -289,6 +376,12 @@ class Spawner:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.set_wakeup_fd(self.wake_w)
+        # What a child must reset before exec: every signal whose disposition is not the
+        # default here (ours, and those ignored since the daemon started us). Decided once,
+        # so the child does not walk all 64.
+        self.reset_signals = tuple(sig for sig in signal.valid_signals()
+                                   if sig not in (signal.SIGKILL, signal.SIGSTOP)
+                                   and signal.getsignal(sig) is not signal.SIG_DFL)
         linux.set_child_subreaper()
         linux.set_pdeathsig(signal.SIGHUP)
         if os.getppid() != self.daemon_pid:
@@ -296,6 +389,9 @@ class Spawner:
         self.send({"op": "hello", "pid": self.pid})
         self.poller.register(self.sock, select.POLLIN)
         self.poller.register(self.wake_r, select.POLLIN)
+        # Everything so far lives as long as we do: out of the collector's way, so that no
+        # collection in a child (or here) touches and copies those pages after a fork.
+        gc.freeze()
         while not self.stopping:
             for fd, _ev in self.poller.poll():
                 if fd == self.wake_r:
@@ -308,6 +404,8 @@ class Spawner:
                 else:
                     self.handle_request()
             self.reap()
+            if self.outbox:
+                self.flush()
         return self.cleanup()
 
     def cleanup(self) -> int:
@@ -334,6 +432,10 @@ class Spawner:
             self.units.clear()
             self.launching.clear()
             self.reap()
+            for _ev, fd in self.outbox:  # nobody to tell: the daemon is gone or told us to go
+                if fd >= 0:
+                    os.close(fd)
+            self.outbox.clear()
             if not linux.children_of(self.pid):
                 break
             time.sleep(0.01)

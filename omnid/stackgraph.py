@@ -39,13 +39,14 @@ def _expand_unit(
     t = _Table(template.file, {}, errors)  # only for t.error(): values here are already typed
 
     env = {k: x(val) for k, val in v["env"].items()}
-    gpus: tuple[int, ...] = ()
+    gpus: tuple[int | str, ...] = ()
     if template.gpus == "%i":
         gpus = (instance,)
     elif isinstance(template.gpus, tuple):
         gpus = template.gpus
     if template.gpus is not None:
-        # An explicit env value wins: the operator may want a different mapping (MIG UUIDs, say).
+        # As CUDA reads it: indexes and UUIDs as written, comma-separated, no spaces. An explicit
+        # env value wins: the operator may want another mapping.
         env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(map(str, gpus)))
 
     ready: Ready = v["ready"]
@@ -116,6 +117,7 @@ def _expand_unit(
         group_hosts=v["group_hosts"],
         memory_max=v["memory_max"],
         tasks_max=v["tasks_max"],
+        numa=v["numa"],
     )
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from omnid.cluster.settings import HOST_NAME, parse_cluster
-from omnid.unitmodel import DEFAULT_TITLE, DaemonSettings, DrainHook, Liveness, LogFormat, Ready, ReadyKind, RestartPolicy, TorchDistributed, UnitFileError
-from omnid.unitvalues import MAX_INSTANCES, InvalidValue, _Invalid, _Table, _argv, _cgroup_amount, _choice, _describe, _env, _gpus, _group_name, _integer, _limits, _nonempty_string, _seconds, _seconds_at_most, _string, _string_list, parse_host_port, parse_signal
+from omnid.unitmodel import DEFAULT_TITLE, DaemonSettings, DrainHook, Liveness, LogFormat, NumaMode, Ready, ReadyKind, RestartPolicy, TorchDistributed, UnitFileError
+from omnid.unitvalues import MAX_INSTANCES, InvalidValue, _Invalid, _Table, _argv, _cgroup_amount, _choice, _describe, _env, _gpus, _group_name, _integer, _limits, _nonempty_string, _numa, _seconds, _seconds_at_most, _string, _string_list, parse_host_port, parse_signal
 
 
 # --------------------------------------------------------------------------- unit files
@@ -24,7 +24,7 @@ UNIT_KEYS = (
     "user", "group", "limits", "gpus", "ready", "ready_timeout", "liveness", "watchdog_sec",
     "stop_signal", "stop_timeout", "kill_timeout", "restart", "restart_sec", "restart_max_sec",
     "start_limit_burst", "start_limit_interval", "gpu_min_free_mib", "worker_group", "torch_distributed",
-    "memory_max", "tasks_max", "capture_timeout", "drain", "drain_timeout", "group_hosts",
+    "memory_max", "tasks_max", "capture_timeout", "drain", "drain_timeout", "group_hosts", "numa",
 )  # fmt: skip
 TORCH_DISTRIBUTED_KEYS = ("master_addr", "master_port")
 # The restart policy of a worker group is one policy: every member must declare the same.
@@ -44,7 +44,7 @@ class _Template:
     values: Mapping[str, Any]  # Unit field -> typed value, for keys that are per-template
     after: tuple[str, ...]
     requires: tuple[str, ...]
-    gpus: tuple[int, ...] | str | None
+    gpus: tuple[int | str, ...] | str | None
 
 
 def _read_toml(file: Path, errors: list[UnitFileError], sources: dict[str, bytes] | None = None,
@@ -136,8 +136,9 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
         "drain": t.get("drain", None, _drain),
         "drain_timeout": t.get("drain_timeout", 30.0, _seconds(zero_ok=False)),
         "restart": t.get("restart", RestartPolicy.NO, _choice(RestartPolicy)),
-        "restart_sec": t.get("restart_sec", 1.0, _seconds(zero_ok=False)),
-        "restart_max_sec": t.get("restart_max_sec", 60.0, _seconds(zero_ok=False)),
+        # 0 = restart at once (systemd's RestartSec=0); the start limit still ends a crash loop.
+        "restart_sec": t.get("restart_sec", 1.0, _seconds(zero_ok=True)),
+        "restart_max_sec": t.get("restart_max_sec", 60.0, _seconds(zero_ok=True)),  # >= restart_sec, below
         "start_limit_burst": t.get("start_limit_burst", 5, _integer(1)),
         "start_limit_interval": t.get("start_limit_interval", 60.0, _seconds(zero_ok=False)),
         "gpu_min_free_mib": t.get("gpu_min_free_mib", 0, _integer(0)),
@@ -147,6 +148,7 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
         "memory_max": t.get("memory_max", None, _cgroup_amount(bytes_=True)),
         "tasks_max": t.get("tasks_max", None, _cgroup_amount(bytes_=False)),
         "liveness": None,
+        "numa": t.get("numa", NumaMode.AUTO, _numa),
     }
     td = raw.get("torch_distributed", False)
     if td is True or isinstance(td, dict):

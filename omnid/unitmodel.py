@@ -115,6 +115,18 @@ class DrainHook:
     sig: signal.Signals | None = None
 
 
+class NumaMode(StrEnum):
+    """`numa`'s words; a node number is the third form (an int)."""
+
+    AUTO = "auto"  # the NUMA node(s) of the unit's `gpus`, when it has some
+    OFF = "off"
+
+
+# A GPU as `gpus` names it: an index (PCI bus order, as NVML and CUDA_DEVICE_ORDER=PCI_BUS_ID
+# count), or a GPU or MIG device UUID as nvidia-smi -L prints it.
+GpuRef = int | str
+
+
 class RestartPolicy(StrEnum):
     NO = "no"
     ON_FAILURE = "on-failure"
@@ -163,7 +175,8 @@ class Unit:
     user: str | None = None
     group: str | None = None
     limits: tuple[Rlimit, ...] = ()
-    gpus: tuple[int, ...] = ()
+    gpus: tuple[GpuRef, ...] = ()
+    numa: NumaMode | int = NumaMode.AUTO  # CPU affinity and memory policy at spawn (omnid.numa)
     ready: Ready = Ready()
     ready_timeout: float = 600.0
     liveness: Liveness | None = None

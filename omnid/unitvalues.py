@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from omnid.unitmodel import RESERVED_ENV, RLIMITS, Rlimit, UnitFileError, _ENV_NAME, _NAME
+from omnid.unitmodel import RESERVED_ENV, RLIMITS, NumaMode, Rlimit, UnitFileError, _ENV_NAME, _NAME
 
 
 # --------------------------------------------------------------------------- reading one file
@@ -247,14 +247,64 @@ def _rlimit_order(value: int) -> float:
     return math.inf if value == resource.RLIM_INFINITY else value
 
 
-def _gpus(value: Any) -> tuple[int, ...] | str:
+MAX_GPU_INDEX = 1023
+_HEX_UUID = r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
+# As nvidia-smi -L prints them, and as CUDA_VISIBLE_DEVICES takes them: a GPU UUID, a MIG device
+# UUID (drivers >= R470), or the older MIG form naming its GPU, GPU instance and compute instance.
+GPU_UUID = re.compile(f"GPU-{_HEX_UUID}")
+MIG_UUID = re.compile(f"MIG-{_HEX_UUID}|MIG-GPU-{_HEX_UUID}/[0-9]+/[0-9]+")
+_GPU_ITEM = ('a GPU index (0 to 1023), a GPU UUID ("GPU-...") or a MIG device UUID ("MIG-...") as '
+             "nvidia-smi -L prints them")
+_GPUS_EXPECTED = (f'expected an array of GPUs, each {_GPU_ITEM}, e.g. [0, 1] or '
+                  '["MIG-377e0049-554c-540b-93c6-d0976f8426cb"], or "%i"')
+
+
+def _gpu_ref(item: Any, position: int) -> int | str:
+    """One `gpus` entry, or InvalidValue naming its position and what is wrong with it."""
+    where = f"item {position + 1}"
+    if isinstance(item, int) and not isinstance(item, bool):
+        if 0 <= item <= MAX_GPU_INDEX:
+            return item
+        raise _Invalid(f"{where}: expected a GPU index from 0 to {MAX_GPU_INDEX}, got {item}")
+    if isinstance(item, str):
+        if GPU_UUID.fullmatch(item) or MIG_UUID.fullmatch(item):
+            return item
+        if item.isdigit():
+            raise _Invalid(f'{where}: expected a GPU index as an integer, got the string {_quote(item)} '
+                           f"(write {int(item)})")
+        if "," in item or item != item.strip():
+            raise _Invalid(f"{where}: expected one GPU per item, without commas or spaces, got {_quote(item)}")
+        if item.upper().startswith("MIG-"):
+            raise _Invalid(f'{where}: not a MIG device UUID: expected "MIG-" and 8-4-4-4-12 hexadecimal '
+                           f'digits (or "MIG-GPU-<GPU UUID>/GI/CI"), got {_quote(item)}')
+        if item.upper().startswith("GPU-"):
+            raise _Invalid(f'{where}: not a GPU UUID: expected "GPU-" and 8-4-4-4-12 hexadecimal digits, '
+                           f"got {_quote(item)}")
+        raise _Invalid(f"{where}: expected {_GPU_ITEM}, got {_quote(item)}")
+    raise _Invalid(f"{where}: expected {_GPU_ITEM}, got {_describe(item)}")
+
+
+def _gpus(value: Any) -> tuple[int | str, ...] | str:
     if value == "%i":
         return value  # one GPU per instance; resolved at expansion
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1024 for v in value):
-        if len(set(value)) != len(value):
-            raise _Invalid(f"expected each GPU once, got {value!r}")
-        return tuple(value)
-    raise _Invalid(f'expected an array of GPU indexes >= 0 (e.g. [0, 1]) or "%i", got {_describe(value)}')
+    if not isinstance(value, list):
+        raise _Invalid(f"{_GPUS_EXPECTED}, got {_describe(value)}")
+    refs = tuple(_gpu_ref(item, i) for i, item in enumerate(value))
+    if len(set(refs)) != len(refs):
+        raise _Invalid(f"expected each GPU once, got {value!r}")
+    return refs
+
+
+def _numa(value: Any) -> NumaMode | int:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_NUMA_NODE:
+        return value
+    if value in ("auto", "off"):
+        return NumaMode(value)
+    raise _Invalid(f'expected "auto" (the NUMA node of the unit\'s GPUs), "off", or a node number from 0 to '
+                   f"{MAX_NUMA_NODE}, got {_describe(value)}")
+
+
+MAX_NUMA_NODE = 1023  # the kernel's MAX_NUMNODES is at most 1024
 
 
 def parse_host_port(text: str) -> tuple[str, int]:

@@ -215,6 +215,74 @@ def test_gpus_percent_i_gives_each_instance_its_gpu_and_cuda_visible_devices(tmp
     assert "CUDA_VISIBLE_DEVICES" not in stack["cpu"].env
 
 
+MIG = "MIG-377e0049-554c-540b-93c6-d0976f8426cb"
+GPU_UUID = "GPU-7f57f032-34ab-a064-c37c-7a4f75601cc5"
+
+
+def test_gpus_take_gpu_and_mig_uuids_and_cuda_visible_devices_lists_them_as_given(tmp_path: Path) -> None:
+    write(tmp_path, {
+        "mig.toml": f'exec = ["w"]\ngpus = ["{MIG}"]\n',
+        "mixed.toml": f'exec = ["w"]\ngpus = [1, "{GPU_UUID}"]\n',
+        "legacy.toml": f'exec = ["w"]\ngpus = ["MIG-{GPU_UUID}/1/0"]\n',
+    })  # fmt: skip
+    stack = load_stack(tmp_path)
+    assert stack["mig"].gpus == (MIG,)
+    # What CUDA parses: the UUID itself, no quotes, brackets or spaces (vllm#41848 crashed on
+    # int("MIG-..."): the value must be the UUID, and an index stays a plain number).
+    assert stack["mig"].env["CUDA_VISIBLE_DEVICES"] == MIG
+    assert stack["mixed"].gpus == (1, GPU_UUID)
+    assert stack["mixed"].env["CUDA_VISIBLE_DEVICES"] == f"1,{GPU_UUID}"
+    assert stack["legacy"].env["CUDA_VISIBLE_DEVICES"] == f"MIG-{GPU_UUID}/1/0"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ('["MIG-377e0049"]', 'item 1: not a MIG device UUID'),
+        ('["GPU-xyz"]', "item 1: not a GPU UUID"),
+        ('[0, "1"]', 'item 2: expected a GPU index as an integer, got the string "1" (write 1)'),
+        (f'["{GPU_UUID},{MIG}"]', "item 1: expected one GPU per item"),
+        (f'[" {MIG}"]', "item 1: expected one GPU per item"),
+        ('["cuda:0"]', 'item 1: expected a GPU index (0 to 1023), a GPU UUID ("GPU-...") or a MIG device UUID'),
+        ("[1.5]", "got float 1.5"),
+        (f'["{MIG}", "{MIG}"]', "each GPU once"),
+        ('"0,1"', 'or "%i", got string "0,1"'),
+    ],
+)
+def test_malformed_gpus_are_named_errors(tmp_path: Path, value: str, expected: str) -> None:
+    write(tmp_path, {"worker.toml": f'exec = ["w"]\ngpus = {value}\n'})
+    text = assert_names(only_error(tmp_path), "worker.toml", "gpus")
+    assert expected in text, text
+
+
+def test_numa_is_auto_by_default_and_takes_off_or_a_node(tmp_path: Path) -> None:
+    from omnid.units import NumaMode
+
+    write(tmp_path, {
+        "a.toml": 'exec = ["w"]\ngpus = [0]\n',
+        "b.toml": 'exec = ["w"]\nnuma = "off"\n',
+        "c.toml": 'exec = ["w"]\nnuma = 1\n',
+    })  # fmt: skip
+    stack = load_stack(tmp_path)
+    assert stack["a"].numa is NumaMode.AUTO
+    assert stack["b"].numa is NumaMode.OFF
+    assert stack["c"].numa == 1
+
+
+@pytest.mark.parametrize("value", ['"on"', "-1", "true", "1.0", "[0]"])
+def test_bad_numa_is_a_named_error(tmp_path: Path, value: str) -> None:
+    write(tmp_path, {"worker.toml": f'exec = ["w"]\nnuma = {value}\n'})
+    text = assert_names(only_error(tmp_path), "worker.toml", "numa")
+    assert '"auto"' in text and '"off"' in text and "node number" in text
+
+
+def test_restart_sec_zero_is_accepted_and_the_start_limit_still_applies(tmp_path: Path) -> None:
+    # systemd's RestartSec=0: restart at once; start_limit_burst still ends a crash loop.
+    write(tmp_path, {"w.toml": 'exec = ["w"]\nrestart = "always"\nrestart_sec = 0\nrestart_max_sec = 0\n'})
+    w = load_stack(tmp_path)["w"]
+    assert w.restart_sec == 0.0 and w.restart_max_sec == 0.0 and w.start_limit_burst == 5
+
+
 def test_dependency_on_a_template_means_all_its_instances(tmp_path: Path) -> None:
     write(tmp_path, THREE_TIERS)
     stack = load_stack(tmp_path)
@@ -381,12 +449,12 @@ def test_missing_exec_is_an_error(tmp_path: Path) -> None:
         ("stop_timeout = -1", "stop_timeout", "> 0"),
         ("kill_timeout = nan", "kill_timeout", "> 0"),
         ("watchdog_sec = -5", "watchdog_sec", ">= 0"),
-        ("restart_sec = 0", "restart_sec", "> 0"),
+        ("restart_sec = -1", "restart_sec", ">= 0"),
         ("restart_sec = 10\nrestart_max_sec = 5", "restart_max_sec", ">= restart_sec"),
         ("start_limit_burst = 0", "start_limit_burst", ">= 1"),
         ("start_limit_interval = 0", "start_limit_interval", "> 0"),
         ("gpu_min_free_mib = -1", "gpu_min_free_mib", ">= 0"),
-        ("gpus = [-1]", "gpus", ">= 0"),
+        ("gpus = [-1]", "gpus", "0 to 1023"),
         ("gpus = [0, 0]", "gpus", "once"),
         ("limits = { core = [10, 5] }", "limits.core", "soft <= hard"),
         ('liveness = { http = "http://127.0.0.1/", failures = 0 }', "liveness.failures", ">= 1"),

@@ -59,7 +59,7 @@ class RestartBook:
 _PLAIN = ("reason", "since", "last_pgid", "ready", "restarts", "deaths", "last_exit", "last_exit_code",
           "last_signal", "cause_text", "stop_reason", "active_since", "status_text", "stopping_notified",
           "notified_ready", "watchdog_last", "ready_deadline", "death_detect_ms", "gpu_release_ms", "gpu_held",
-          "goal_seq", "goal_by", "epoch", "placement", "spawn_errno", "capture_summary", "last_exit_what")
+          "goal_seq", "goal_by", "epoch", "spawn_errno", "capture_summary", "last_exit_what")
 
 
 @dataclass
@@ -98,7 +98,6 @@ class UnitRuntime:
     goal_seq: int = 0  # bumped by every operator start/stop: a waiter sees it was overtaken
     goal_by: str = ""  # "start" or "stop": the last operator request on this unit
     epoch: int = 0  # bumped at every change of position: a timer or outcome of an older one is void
-    placement: str = ""  # where it runs (NUMA), for status
     spawn_errno: int | None = None  # the last spawn failed in exec(2) with this errno
     capture_summary: str = ""  # the last capture of its stacks before a kill, in a line
     last_exit_what: str = ""  # how the main process ended: "killed by SIGKILL (pid 12, while active)"
@@ -122,7 +121,7 @@ class UnitRuntime:
     # ------------------------------------------------------------- status object
     def snapshot(self) -> dict:
         p = self.proc
-        from omnid import linux
+        from omnid import linux, numa
 
         return {
             "name": self.name,
@@ -148,7 +147,7 @@ class UnitRuntime:
             "gpu_release_ms": self.gpu_release_ms,
             "gpu_held": list(self.gpu_held),
             **({"worker_group": self.spec.worker_group} if self.spec.worker_group else {}),
-            **({"placement": self.placement} if self.placement else {}),
+            "placement": numa.status(self.spec),
         }
 
     # ------------------------------------------------------------- re-exec record

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import structlog
 
-from omnid import linux
+from omnid import linux, numa
 from omnid.cgroup import cgroup_limits
 from omnid.process import DAEMON_TAG, UNIT_TAG
 from omnid.spawnclient import SpawnRequest
@@ -122,5 +122,6 @@ def prepare(spec: UnitSpec, *, env: dict[str, str], cgroups: object | None) -> P
         raise CannotSpawn(f"spawn failed: {code}: cannot create the output pipes ({exc.strerror})") from None
     out_r, out_w, err_r, err_w = pipes
     req = SpawnRequest(unit=spec.name, argv=tuple(argv(spec)), env=env, cwd=spec.cwd, user=spec.user,
-                       group=spec.group, rlimits=tuple(spec.limits), cgroup=cg_path)
+                       group=spec.group, rlimits=tuple(spec.limits), cgroup=cg_path,
+                       placement=numa.placement_for(spec))
     return Prepared(req, out_r, out_w, err_r, err_w)

@@ -16,7 +16,6 @@ import errno
 import json
 import os
 import socket
-import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any

@@ -12,7 +12,6 @@ import asyncio
 import fcntl
 import gc
 import importlib
-import math
 import os
 import secrets
 import signal
@@ -27,6 +26,7 @@ from omnid import cgroup as cgroup_mod
 from omnid import linux, logconfig, settings, startup
 from omnid.capturestore import CaptureStore
 from omnid.control import ControlError, ControlServer, prepare_socket_dir
+from omnid.core import takeover as takeover_mod
 from omnid.core.supervisor import Supervisor
 from omnid.handlers import ControlHandlers
 from omnid.metrics import DaemonMetrics
@@ -193,7 +193,7 @@ class Daemon:
                               gpu=self.gpu, cgroups=self.cgroups)
         self.sup.executor.captures = self.captures
         if takeover is not None:
-            self.sup.take_over(takeover["supervisor"])
+            takeover_mod.take_over(self.sup, takeover["supervisor"])
             self.metrics.take_over(takeover["metrics"])
         if self.stack.settings.cluster is not None and not await self._open_cluster():
             self.exit_code = 2  # named on stderr and in the log; nothing is started
@@ -208,7 +208,7 @@ class Daemon:
                 for _ in range(3):
                     await asyncio.sleep(0)
             else:
-                self.sup.resume()
+                takeover_mod.resume(self.sup)
         if self.gpu is None:
             from omnid import gpu as gpu_mod
 

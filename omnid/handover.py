@@ -194,6 +194,7 @@ def fd_alive(fd: int) -> bool:
 # ------------------------------------------------------------------ the old program's side
 def record(daemon: Any, check: ProgramCheck) -> tuple[dict[str, Any], list[int]]:
     """Everything the next program needs, and the fds it must inherit."""
+    from omnid.core import takeover as takeover_mod
     from omnid.version import version
 
     sup = daemon.sup
@@ -214,7 +215,7 @@ def record(daemon: Any, check: ProgramCheck) -> tuple[dict[str, Any], list[int]]
         "lock_fd": daemon.lock_fd,
         "cgroup": daemon.cgroups.handover() if daemon.cgroups is not None else None,
         "settled": daemon.settled.is_set(),
-        "supervisor": sup.handover(),
+        "supervisor": takeover_mod.handover(sup),
         "metrics": daemon.metrics.handover(),
     }
     fds = [rec["spawner"]["pidfd"], rec["spawner"]["sock"], rec["notify"]["fd"], daemon.health_fd, daemon.lock_fd]

@@ -12,10 +12,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-if TYPE_CHECKING:
-    from omnid.cluster.settings import ClusterSettings
 
 
 
@@ -243,7 +241,9 @@ class DaemonSettings:
     log_format: LogFormat | None = None
     cgroup_root: Path | None = None  # omnid.cgroup: a writable cgroup v2 directory for the units
     drain_sec: float | None = None  # /health 503 "draining" this long before the stack's first stop signal
-    cluster: "ClusterSettings | None" = None  # [cluster]: a stack across hosts (omnid.cluster)
+    # [cluster]: a stack across hosts, an omnid.cluster.settings.ClusterSettings (not imported
+    # here: that module reads unit-file errors from this one)
+    cluster: object | None = None
     exit_when_failed: bool = False  # stop the stack and exit 1 once a unit failed for good
 
 

@@ -16,7 +16,7 @@ import uuid
 import pytest
 
 from omnid import cgroup as cgm
-from tests.harness import Daemon, alive, make_stack, remove_cgroup_tree, wait_for
+from tests.harness import Daemon, make_stack, remove_cgroup_tree, wait_for
 
 MOUNTS = cgm.cgroup2_mounts()
 

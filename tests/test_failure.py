@@ -14,7 +14,6 @@ import sys
 import time
 
 import pytest
-import zmq
 
 from omnid import linux
 from tests.harness import alive, free_port, make_stack, wait_for

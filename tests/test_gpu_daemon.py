@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 
-import pytest
 
 from omnid.gpu import write_fake_gpu_file
 from tests.harness import make_stack, wait_for

@@ -24,6 +24,8 @@ class Centre(Protocol):
     gpu: Any  # omnid.gpu backend, or None
     cgroups: Any  # omnid.cgroup.CgroupRoot, or None
     shutting_down: bool
+    started_at: float
+    invariant_violations: list[str]
     stack_signalled: bool
     by_pid: dict[int, tuple[UnitRuntime, ProcessHandle]]
     tier_orphans: list[int] | None

@@ -14,7 +14,6 @@ cancelled (the child would be lost): its outcome is always fed.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
 from collections.abc import Callable, Coroutine
@@ -33,7 +32,7 @@ from omnid.core.runtime import UnitRuntime
 from omnid.process import ProcessHandle
 from omnid.spawnclient import SpawnError
 from omnid.tasks import unit_task
-from omnid.termination import ProcessGroupTarget, StopRecord, Target, Termination, terminate
+from omnid.termination import ProcessGroupTarget, Target, Termination, terminate
 from omnid.core.centre import Centre
 
 

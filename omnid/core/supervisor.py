@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import time
 from collections.abc import Callable, Iterable
 
@@ -26,7 +25,7 @@ from omnid.core import groups
 from omnid.core.drain import Drains
 from omnid.core.executor import EXIT_STATUS_WAIT_S, Ctx, Executor
 from omnid.core.invariants import verify, verify_unit
-from omnid.core.lifecycle import ArmTimer, Cause, Event, Goal, IllegalEvent, Phase, UnitState, View, WatchReady, step
+from omnid.core.lifecycle import Cause, Event, Goal, IllegalEvent, Phase, UnitState, View, step
 from omnid.core.monitors import Monitors
 from omnid.core.reload import Reloader
 from omnid.core.requests import OperatorRequests
@@ -273,59 +272,6 @@ class Supervisor:
                 rt.proc.reaped.set()
 
     # ------------------------------------------------------------------ converge
-    # ------------------------------------------------------------------ re-exec
-    def handover(self) -> dict:
-        """Every unit's runtime record, restart book and recent output (omnid.handover)."""
-        books: dict[str, dict] = {}
-        units: dict[str, dict] = {}
-        for name in self.order:
-            rt = self.units[name]
-            key = f"group:{rt.spec.worker_group}" if rt.spec.worker_group else f"unit:{name}"
-            books[key] = rt.book.to_json()
-            units[name] = {**rt.to_json(), "book": key, "output": rt.output.handover()}
-        return {"units": units, "books": books, "started_at": self.started_at,
-                "invariant_violations": list(self.invariant_violations)}
-
-    def take_over(self, d: dict) -> None:
-        """Continue with the records a previous program of this daemon handed over: same
-        processes (their pidfds and pipes inherited), same counters, same restart books.
-        KeyError/ValueError/TypeError on anything malformed (the caller falls back)."""
-        books = {key: RestartBook.from_json(b) for key, b in d["books"].items()}
-        self.started_at = float(d["started_at"])
-        self.invariant_violations = [str(x) for x in d["invariant_violations"]]
-        for name, rec in d["units"].items():
-            rt = self.units.get(name)
-            if rt is None:
-                raise ValueError(f"unit {name} was handed over but is not in the stack")
-            rt.book = books[rec["book"]]
-            rt.load_json(rec)
-            rt.output.take_over(rec["output"])
-            h = rt.proc
-            if h is not None:
-                rt.proc = None
-                for fd in (h.pidfd,):
-                    os.set_inheritable(fd, False)
-                if h.exit_status is not None:
-                    h.reaped.set()
-                self.adopt(rt, h)
-        for rt in self.units.values():  # a worker group's members share one book again
-            if rt.spec.worker_group:
-                rt.book = books[f"group:{rt.spec.worker_group}"]
-
-    def resume(self) -> None:
-        """Re-arm what the records imply: readiness of starting units (same deadline), the
-        monitors of active ones (the watchdog counts from its last ping), restart timers."""
-        loop = asyncio.get_running_loop()
-        now = time.monotonic()
-        for rt in self.units.values():
-            if rt.state is S.STARTING:
-                self.executor.run(rt, (ArmTimer("ready_timeout"), WatchReady()), Ctx(rt.state))
-            elif rt.state is S.ACTIVE:
-                self.monitors.resume(rt)
-            elif rt.state is S.FAILED and rt.book.restart_pending:
-                loop.call_later(max(0.0, rt.book.restart_at - now), self.kick)
-        self.kick()
-
     def kick(self) -> None:
         if self.frozen:
             return

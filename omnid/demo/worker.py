@@ -15,12 +15,10 @@ watchdog alike. Only this module of omnid imports torch.
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import os
 import signal
 import socket
-import sys
 import time
 import warnings
 import zlib

@@ -6,7 +6,6 @@ makes the backend unreadable with a reason instead of stalling anyone."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -15,6 +14,7 @@ from typing import Any
 
 from omnid.gpu.backend import _MIB, GpuInfo, GpuProcess, MigInfo, _say_once, in_initial_pid_namespace, log
 from omnid.gpu.bounded import DEFAULT_TIMEOUT_S, BoundedCaller, GpuUnreadable
+from omnid.gpu import nvml_xid
 from omnid.gpu.events import XidEvent, XidEventThread
 from omnid.gpu.faults import GpuCondition, GpuFaults, unreadable
 from omnid.gpu.items import GpuItem
@@ -22,7 +22,6 @@ from omnid.gpu.items import GpuItem
 NVML_TIMEOUT_ENV = "OMNID_NVML_TIMEOUT"
 INIT_TIMEOUT_S = 10.0  # nvmlInit on a host without persistence mode can take seconds
 TOPOLOGY_TTL_S = 10.0  # MIG devices and UUIDs are read again this often
-_NO_ID = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId of an event that names no MIG device
 
 
 def nvml_timeout() -> float:
@@ -60,13 +59,6 @@ class _Gpu:
 
 def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-
-
-def _ptr(handle: Any) -> int | None:
-    try:
-        return ctypes.cast(handle, ctypes.c_void_p).value
-    except (ctypes.ArgumentError, TypeError):
-        return handle if isinstance(handle, int) else None
 
 
 class NvmlBackend:
@@ -426,62 +418,12 @@ class NvmlBackend:
         return None
 
     def _register_job(self) -> str:
-        nvml = self._nvml
-        try:
-            event_set = self._nv("nvmlEventSetCreate", None, nvml.nvmlEventSetCreate)
-        except nvml.NVMLError as err:
-            return f"NVML cannot create an event set: {err}"
-        registered = []
-        for g in self._gpus:
-            try:
-                supported = self._nv("nvmlDeviceGetSupportedEventTypes", g.index,
-                                     nvml.nvmlDeviceGetSupportedEventTypes, g.handle)
-                if not supported & nvml.nvmlEventTypeXidCriticalError:
-                    log.warning("gpu: this GPU gives no Xid events through NVML", gpu=g.index)
-                    continue
-                self._nv("nvmlDeviceRegisterEvents", g.index, nvml.nvmlDeviceRegisterEvents, g.handle,
-                         nvml.nvmlEventTypeXidCriticalError, event_set)
-                registered.append(g.index)
-            except nvml.NVMLError as err:
-                log.warning("gpu: cannot register for Xid events", gpu=g.index, error=str(err))
-        if not registered:
-            self._nv("nvmlEventSetFree", None, nvml.nvmlEventSetFree, event_set)
-            return "no GPU here gives Xid events through NVML"
-        self._event_set = event_set
-        log.info("gpu: watching critical Xid events", gpus=registered)
-        return ""
+        self._event_set, why = nvml_xid.register(self._nvml, self._gpus, self._nv)
+        return why
 
     def _wait_event(self, timeout_ms: int) -> XidEvent | None:
         """On the event thread: one bounded wait (its stuck check is the thread's)."""
-        nvml = self._nvml
-        try:
-            data = nvml.nvmlEventSetWait_v2(self._event_set, timeout_ms)
-        except nvml.NVMLError as err:
-            if err.value == nvml.NVML_ERROR_TIMEOUT:
-                return None
-            raise
-        if not data.eventType & nvml.nvmlEventTypeXidCriticalError:
-            return None
-        return XidEvent(self._event_gpu(data), int(data.eventData), time.time())
-
-    def _event_gpu(self, data: Any) -> GpuItem:
-        ptr = _ptr(data.device)
-        g = next((g for g in self._gpus if _ptr(g.handle) == ptr), None)
-        if g is None:
-            try:
-                index = int(self._nvml.nvmlDeviceGetIndex(data.device))
-            except self._nvml.NVMLError as err:
-                log.error("gpu: an Xid event names a GPU omnid cannot identify", error=str(err))
-                return -1
-            g = next((g for g in self._gpus if g.index == index), None)
-            if g is None:
-                return index
-        gi, ci = int(data.gpuInstanceId), int(data.computeInstanceId)
-        if gi == _NO_ID or not g.migs:
-            return g.index
-        hits = [m for m in g.migs if m.gi == gi and ci in (_NO_ID, m.ci)]
-        # One MIG device: its UUID. A GPU instance with several: the whole GPU (broader is safer).
-        return hits[0].uuid if len(hits) == 1 else g.index
+        return nvml_xid.wait_event(self._nvml, self._event_set, self._gpus, timeout_ms)
 
     def stop_xid_events(self, wait_s: float | None = None) -> None:
         """Detach the watch (events are kept for the next one); with `wait_s`, end the

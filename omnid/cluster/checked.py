@@ -10,10 +10,10 @@ import re
 from collections.abc import Callable
 from typing import Any, TypeVar, Union
 
+from omnid.cluster.settings import HOST_NAME
+
 T = TypeVar("T")
-
 Key = Union[str, int]  # an object's key, or a list's index
-
 MAX_INT = 1 << 63
 
 
@@ -63,6 +63,13 @@ def each(d: Any, key: Key, read: Callable[[Any], T], limit: int = 64) -> tuple[T
             what = str(exc) if isinstance(exc, ValueError) else f"missing or malformed {exc}"
             raise ValueError(f"{key}[{i}].{what}") from None
     return tuple(out)
+
+
+def address(item: Any) -> tuple[str, str, int]:
+    """[host, address, port]: where a peer's heartbeat goes."""
+    if not isinstance(item, list) or len(item) != 3:
+        raise ValueError("expected [host, address, port]")
+    return text(item, 0, HOST_NAME), text(item, 1, limit=64), integer(item, 2, 1, 65535)
 
 
 def strings(d: Any, key: Key, pattern: re.Pattern | None = None, limit: int = 64) -> tuple[str, ...]:

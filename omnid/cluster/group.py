@@ -139,15 +139,15 @@ class GroupRecord:
         phase = checked.text(d, "phase", limit=16)
         if phase not in {p.value for p in Phase}:
             raise ValueError(f"phase: {phase!r} is none of {', '.join(p.value for p in Phase)}")
-        unwritten = []
-        for item in checked.seq(d, "unwritten", 16):
+        def unwritten(item: list) -> tuple[int, DownRecord]:
             if not isinstance(item, list) or len(item) != 2:
-                raise ValueError("unwritten: expected [generation, down record] pairs")
-            unwritten.append((checked.integer(item, 0, 1, MAX_GENERATION), DownRecord.from_json(item[1])))
+                raise ValueError("expected a [generation, down record] pair")
+            return checked.integer(item, 0, 1, MAX_GENERATION), DownRecord.from_json(item[1])
+
         return cls(Phase(phase), checked.integer(d, "generation", 0, MAX_GENERATION),
                    checked.text(d, "reason", limit=4 * MAX_REASON), checked.integer(d, "last", 0, MAX_GENERATION),
                    checked.number(d, "since"), checked.each(d, "heard", DownNotice.from_json, 16),
-                   tuple(unwritten), checked.flag(d, "held"), checked.number(d, "grace_from"),
+                   checked.each(d, "unwritten", unwritten, 16), checked.flag(d, "held"), checked.number(d, "grace_from"),
                    tuple(checked.counters(d, "counters", ("generations", "fenced", "down")).items()))
 
 

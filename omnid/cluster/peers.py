@@ -114,23 +114,18 @@ class PeerLinkRecord:
         key = d["key"]
         if key is not None and not (isinstance(key, str) and re.fullmatch(r"[0-9a-f]{64}", key)):
             raise ValueError("key: expected 64 hex digits or null")
-        outbox = []
-        for item in checked.seq(d, "outbox", 64):
+        def notice(item: list) -> tuple[DownNotice, int]:
             if not isinstance(item, list) or len(item) != 2:
-                raise ValueError("outbox: expected [notice, repeats] pairs")
-            outbox.append((DownNotice.from_json(item[0]), checked.integer(item, 1, 0, 16)))
-        peers = []
-        for item in checked.seq(d, "peers", 64):
-            if not isinstance(item, list) or len(item) != 3:
-                raise ValueError("peers: expected [host, address, port] triples")
-            peers.append((checked.text(item, 0, HOST_NAME), checked.text(item, 1, limit=64),
-                          checked.integer(item, 2, 1, 65535)))
+                raise ValueError("expected a [notice, repeats] pair")
+            return DownNotice.from_json(item[0]), checked.integer(item, 1, 0, 16)
+
         dropped = checked.obj(d, "dropped")
         if len(dropped) > 16 or not all(re.fullmatch(r"[a-z-]{1,16}", k) for k in dropped):
             raise ValueError("dropped: expected at most 16 reasons")
         return cls(checked.integer(d, "fd", 0, 1 << 20), checked.text(d, "boot", _BOOT), checked.integer(d, "seq"), key,
-                   checked.each(d, "views", PeerView.from_json), tuple(outbox),
-                   checked.strings(d, "hosts", HOST_NAME), tuple(peers), checked.integer(d, "received"),
+                   checked.each(d, "views", PeerView.from_json), checked.each(d, "outbox", notice),
+                   checked.strings(d, "hosts", HOST_NAME), checked.each(d, "peers", checked.address),
+                   checked.integer(d, "received"),
                    tuple((k, checked.integer(dropped, k)) for k in dropped))
 
 

@@ -66,12 +66,6 @@ class SessionRecord:
 
     @classmethod
     def from_json(cls, d: dict) -> SessionRecord:
-        addresses = []
-        for item in checked.seq(d, "addresses", 256):
-            if not isinstance(item, list) or len(item) != 3:
-                raise ValueError("addresses: expected [host, address, port] triples")
-            addresses.append((checked.text(item, 0, HOST_NAME), checked.text(item, 1, limit=64),
-                              checked.integer(item, 2, 1, 65535)))
         try:
             peers = PeerLinkRecord.from_json(checked.obj(d, "peers"))
         except (ValueError, KeyError, TypeError) as exc:
@@ -80,7 +74,7 @@ class SessionRecord:
                    checked.integer(d, "lease_id", 0, checked.MAX_INT), checked.text(d, "boot", _BOOT),
                    checked.number(d, "last_ok_sent"),
                    tuple(checked.counters(d, "counters", ("etcd_outages", "lease_expired")).items()),
-                   checked.integer(d, "hostile_values"), tuple(addresses), peers)
+                   checked.integer(d, "hostile_values"), checked.each(d, "addresses", checked.address, 256), peers)
 
 
 class ClusterSession:

@@ -126,11 +126,15 @@ def _check_peer_socket(fd: int, address: str, port: int) -> None:
     except OSError as exc:
         raise ValueError(f"cluster.session.peers.fd: fd {fd}: {exc.strerror}") from None
     try:
-        with socket.socket(fileno=dup) as sock:
-            bound = sock.getsockname()
-            kind = sock.type
+        sock = socket.socket(fileno=dup)
     except OSError as exc:
+        os.close(dup)
         raise ValueError(f"cluster.session.peers.fd: fd {fd} is not a socket ({exc.strerror})") from None
+    with sock:
+        try:
+            bound, kind = sock.getsockname(), sock.type
+        except OSError as exc:
+            raise ValueError(f"cluster.session.peers.fd: fd {fd}: {exc.strerror}") from None
     if kind != socket.SOCK_DGRAM or not isinstance(bound, tuple) or bound[1] != port \
             or ipaddress.ip_address(bound[0]) != ipaddress.ip_address(address):
         raise ValueError(f"cluster.session.peers.fd: fd {fd} is {bound!r} ({kind!r}); expected UDP on "

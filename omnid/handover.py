@@ -11,6 +11,14 @@ pid, and keeps every unit running (omnid(8), RE-EXEC). This module is both halve
   `python -m omnid daemon --takeover FD`;
 - the new program: reads it back and takes every fd over where the old one left it.
 
+With [cluster], the other hosts must not see this host leave: joins under way get a moment
+to finish, the cluster session stops its loops without giving its etcd lease back and
+renews it once more, and the record carries the lease, the groups (phase, generation, the
+generation open here) and the peer heartbeat with its socket (omnid.core.crosshost
+handover / read_handover / take_over). The new program takes them over before the
+session's loops start and renews the lease at once; fencing counts the handover as a
+silence of etcd, so it must be shorter than lease_ttl minus the fencing margin.
+
 Nothing is stopped, restarted or signalled. The health socket stays bound: connections
 wait in its backlog while the new program loads (none is refused). The control socket
 is bound again (clients reconnect by themselves).

@@ -173,6 +173,8 @@ def test_e2e_etcd_killed_and_restarted_leaves_the_ranks_running(cluster):
     t = time.time()
     wait_for(lambda: "unreachable" in a.call("status")["result"]["daemon"]["cluster"]["etcd"], TTL + 5,
              "a to see etcd unreachable")
+    r = a.call("reexec")  # the next program could not renew the lease: refused, nothing changed
+    assert r.get("error", {}).get("code") == "reexec_refused" and "etcd does not answer" in r["error"]["message"], r
     # Past the moment a cut-off host would fence: an observation window, the ranks still all-reduce.
     deadline = time.monotonic() + TTL * 1.5
     while time.monotonic() < deadline:

@@ -130,6 +130,9 @@ _DELETE = object()
     ("groups.tp.cluster.generation", 7, "generation 7 runs here, but 4 is open"),
     ("groups.tp.down", {"group": "tp"}, "cluster.groups.tp.down: missing or malformed 'generation'"),
     ("groups.tp.counters", _DELETE, "cluster.groups.tp: missing or malformed 'counters'"),
+    ("groups.tp.running", _DELETE, "cluster.groups.tp: missing running"),
+    ("session.peers.outbox", [["x", 1]], "cluster.session: peers.outbox[0]."),
+    ("session.addresses", [["b", "10.0.0.2", 0]], "addresses[0].2: expected an integer from 1 to 65535"),
 ])
 def test_cluster_handover_malformed_or_foreign_is_refused_naming_the_key(tmp_path, path, value, words):
     stack = _stack(tmp_path, _free_udp_port())

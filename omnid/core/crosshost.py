@@ -94,6 +94,9 @@ def read_handover(d: dict, stack: Stack, book_generations: Mapping[str, int]) ->
     groups = {}
     for name, names in wanted.items():
         g = _checked(f"groups.{name}", checked.obj, raw, name)
+        missing = [k for k in ("cluster", "admitted", "running", "down") if k not in g]
+        if missing:
+            raise ValueError(f"cluster.groups.{name}: missing {', '.join(missing)}")
         gens = {k: None if g[k] is None else _checked(f"groups.{name}.{k}", Generation.from_json, g[k])
                 for k in ("admitted", "running")}
         down = None if g["down"] is None else _checked(f"groups.{name}.down", GroupDown.from_json, g["down"])

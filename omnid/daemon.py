@@ -373,17 +373,18 @@ class Daemon:
         from omnid.core.crosshost import CrossHost, read_handover
 
         assert self.sup is not None and self.stack.settings.cluster is not None
-        self.cluster = ClusterSession(self.stack.settings.cluster)
-        crosshost = CrossHost(self.sup, self.cluster)
-        if takeover is not None and takeover.get("cluster") is not None:  # checked by handover.validate
-            crosshost.take_over(read_handover(takeover["cluster"], self.stack, {
-                g: self.sup.units[names[0]].book.generation for g, names in self.stack.groups.items()}))
         try:
+            self.cluster = ClusterSession(self.stack.settings.cluster)  # reads the TLS files
+            crosshost = CrossHost(self.sup, self.cluster)
+            if takeover is not None and takeover.get("cluster") is not None:  # checked by handover.validate
+                crosshost.take_over(read_handover(takeover["cluster"], self.stack, {
+                    g: self.sup.units[names[0]].book.generation for g, names in self.stack.groups.items()}))
             await self.cluster.open()
         except (ClusterRefused, SettingsError) as exc:
             log.error("cluster membership refused", reason=str(exc))
             print(f"omnid: {exc}", file=sys.stderr)
-            await self.cluster.close()
+            if self.cluster is not None:
+                await self.cluster.close()
             self.cluster = None
             return False
         self.sup.crosshost = crosshost

@@ -184,3 +184,26 @@ def test_cluster_handover_longer_than_the_lease_budget_fences_at_the_first_tick(
     else:
         assert len(downs) == 1 and downs[0].fenced and downs[0].generation == 4, downs
         assert "a: cut off from etcd" in downs[0].reason, downs[0].reason
+
+
+def test_cluster_handover_refused_when_a_file_the_session_reads_became_unsafe(tmp_path):
+    """A secret (or TLS key) that others may read now is named before anything is taken over,
+    not when the new program makes its session with every unit already in its hands."""
+    secret = tmp_path / "peer.secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    _stack(tmp_path, _free_udp_port())
+    (tmp_path / "omnid.toml").write_text((tmp_path / "omnid.toml").read_text() + 'secret_file = "peer.secret"\n')
+    stack = load_stack(tmp_path)
+
+    async def run():
+        s, _g, d = await _running_host(stack, [])
+        try:
+            read_handover(d, stack, {"tp": 4})
+            secret.chmod(0o644)
+            with pytest.raises(ValueError, match=r"cluster\.secret_file.*readable by group or others"):
+                read_handover(d, stack, {"tp": 4})
+        finally:
+            s.peers.close()
+
+    asyncio.run(run())

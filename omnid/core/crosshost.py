@@ -28,6 +28,7 @@ import structlog
 from omnid.cluster import checked
 from omnid.cluster.group import ClusterGroup, Generation, GroupDown, GroupRecord, GroupRefused, Phase
 from omnid.cluster.session import ClusterRefused, ClusterSession, SessionRecord
+from omnid.cluster.settings import check_file
 from omnid.core import policy
 from omnid.core.centre import Centre
 from omnid.core.lifecycle import Goal
@@ -86,6 +87,12 @@ def read_handover(d: dict, stack: Stack, book_generations: Mapping[str, int]) ->
         raise ValueError(f"cluster.session: host {session.host!r} prefix {session.prefix!r}, the stack has "
                          f"host {cfg.host!r} prefix {cfg.prefix!r}")
     _check_peer_socket(session.peers.fd, cfg.address, cfg.peer_port)
+    # The files the session reads when it is made (a certificate replaced by something unsafe
+    # since the start): named now, before anything is taken over, not once it is.
+    for key, path, private in (("cluster.ca", cfg.ca, False), ("cluster.cert", cfg.cert, False),
+                               ("cluster.key", cfg.key, True), ("cluster.secret_file", cfg.secret_file, True)):
+        if path is not None:
+            check_file(key, path, private=private)
     wanted = {g: names for g, names in stack.groups.items() if stack.units[names[0]].group_hosts}
     raw = _checked("groups", checked.obj, d, "groups")
     if set(raw) != set(wanted):

@@ -195,7 +195,7 @@ class Daemon:
         if takeover is not None:
             takeover_mod.take_over(self.sup, takeover["supervisor"])
             self.metrics.take_over(takeover["metrics"])
-        if self.stack.settings.cluster is not None and not await self._open_cluster():
+        if self.stack.settings.cluster is not None and not await self._open_cluster(takeover):
             self.exit_code = 2  # named on stderr and in the log; nothing is started
             self.shutdown_requested.set()
         self.handlers = ControlHandlers(self)
@@ -375,24 +375,31 @@ class Daemon:
         if self.gpu is not None and self.gpu.available:
             self._gpu_task = DaemonTask("GPU watch", lambda: loop.create_task(self._gpu_watch())).start()
 
-    async def _open_cluster(self) -> bool:
+    async def _open_cluster(self, takeover: dict | None = None) -> bool:
         """[cluster]: this host's membership (lease, watch, heartbeat) and its groups across hosts.
-        gRPC and the etcd client are imported here, only for a stack that spans hosts."""
+        gRPC and the etcd client are imported here, only for a stack that spans hosts. After a
+        re-exec, the same lease, groups and heartbeat socket (omnid.core.crosshost.take_over),
+        taken over before the session's loops start."""
         from omnid.cluster.session import ClusterRefused, ClusterSession
         from omnid.cluster.settings import SettingsError
-        from omnid.core.crosshost import CrossHost
+        from omnid.core.crosshost import CrossHost, read_handover
 
         assert self.sup is not None and self.stack.settings.cluster is not None
-        self.cluster = ClusterSession(self.stack.settings.cluster)
         try:
+            self.cluster = ClusterSession(self.stack.settings.cluster)  # reads the TLS files
+            crosshost = CrossHost(self.sup, self.cluster)
+            if takeover is not None and takeover.get("cluster") is not None:  # checked by handover.validate
+                crosshost.take_over(read_handover(takeover["cluster"], self.stack, {
+                    g: self.sup.units[names[0]].book.generation for g, names in self.stack.groups.items()}))
             await self.cluster.open()
         except (ClusterRefused, SettingsError) as exc:
             log.error("cluster membership refused", reason=str(exc))
             print(f"omnid: {exc}", file=sys.stderr)
-            await self.cluster.close()
+            if self.cluster is not None:
+                await self.cluster.close()
             self.cluster = None
             return False
-        self.sup.crosshost = CrossHost(self.sup, self.cluster)
+        self.sup.crosshost = crosshost
         return True
 
     async def _close_cluster(self) -> None:

@@ -243,6 +243,8 @@ class ControlHandlers:
             raise ControlError("shutting_down", "the stack is stopping; re-exec refused")
         if d.reexec is not None and not d.reexec.done():
             raise ControlError("busy", "a re-exec is already under way")
+        if self.sup.crosshost is not None and (why := self.sup.crosshost.exec_refusal()) is not None:
+            raise ControlError("reexec_refused", f"{why}; nothing changed")
         try:
             check = await handover.check_new_program()
         except handover.HandoverError as exc:

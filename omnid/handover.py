@@ -11,6 +11,14 @@ pid, and keeps every unit running (omnid(8), RE-EXEC). This module is both halve
   `python -m omnid daemon --takeover FD`;
 - the new program: reads it back and takes every fd over where the old one left it.
 
+With [cluster], the other hosts must not see this host leave: joins under way get a moment
+to finish, the cluster session stops its loops without giving its etcd lease back and
+renews it once more, and the record carries the lease, the groups (phase, generation, the
+generation open here) and the peer heartbeat with its socket (omnid.core.crosshost
+handover / read_handover / take_over). The new program takes them over before the
+session's loops start and renews the lease at once; fencing counts the handover as a
+silence of etcd, so it must be shorter than lease_ttl minus the fencing margin.
+
 Nothing is stopped, restarted or signalled. The health socket stays bound: connections
 wait in its backlog while the new program loads (none is refused). The control socket
 is bound again (clients reconnect by themselves).
@@ -42,6 +50,7 @@ FORMAT = 1  # the handover's own version: a new program refuses a format it does
 MAX_BYTES = 1 << 30  # what the new program reads at most
 CHECK_TIMEOUT_S = 15.0  # the new program's `--version` must answer by then
 QUIESCE_TIMEOUT_S = 10.0  # spawns and stops under way must end by then, or the re-exec is refused
+JOIN_WAIT_S = 3.0  # (within it) joins of groups across hosts under way get this long to finish
 FAULT_ENV = "OMNID_FAULT_HANDOVER"  # test hook (omnid(8)): "corrupt" writes an unreadable handover
 
 
@@ -219,6 +228,9 @@ def record(daemon: Any, check: ProgramCheck) -> tuple[dict[str, Any], list[int]]
         "metrics": daemon.metrics.handover(),
     }
     fds = [rec["spawner"]["pidfd"], rec["spawner"]["sock"], rec["notify"]["fd"], daemon.health_fd, daemon.lock_fd]
+    if sup.crosshost is not None:  # [cluster]: the same lease, groups and heartbeat socket
+        rec["cluster"] = sup.crosshost.handover()
+        fds.append(rec["cluster"]["session"]["peers"]["fd"])
     for rt in sup.units.values():
         if rt.proc is not None:
             fds.append(rt.proc.pidfd)
@@ -226,20 +238,51 @@ def record(daemon: Any, check: ProgramCheck) -> tuple[dict[str, Any], list[int]]
     return rec, fds
 
 
+async def _joins_settled(crosshost: Any, deadline: float) -> None:
+    """Give joins of groups across hosts under way until `deadline` to finish (converge is held:
+    a join that finishes is handed over as admitted). One still waiting then, for a host that
+    is not there, is not an error: the next program joins again and finds its own join key
+    (the lease is the same one), so no generation begins for it."""
+    while crosshost.joining() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    if crosshost.joining():
+        log.info("re-exec: joins still waiting for other hosts; the next program joins again, same generation",
+                 groups=crosshost.joining())
+
+
 async def hand_over(daemon: Any, check: ProgramCheck) -> None:
     """Quiesce, write the record, keep the fds, exec. On success this never returns; if it
     cannot be done, everything is put back as it was and the reason logged."""
     sup = daemon.sup
     sup.frozen = True  # converge starts and stops nothing new; deaths are still handled
+    cluster_paused = False
     try:
+        t0 = time.monotonic()
         if not await sup.wait_until(sup.idle, QUIESCE_TIMEOUT_S):
             busy = [f"{rt.name} ({rt.state.value}/{rt.phase.value})" for rt in sup.units.values() if rt.busy]
             log.error("re-exec abandoned: units still busy", units=busy, after_s=QUIESCE_TIMEOUT_S)
             return
+        if sup.crosshost is not None:
+            await _joins_settled(sup.crosshost, min(t0 + QUIESCE_TIMEOUT_S, time.monotonic() + JOIN_WAIT_S))
+            why = sup.crosshost.exec_refusal()
+            if why is not None:
+                log.error("re-exec abandoned", reason=why)
+                return
         deadline = time.monotonic() + 2.0
         while daemon.control._tasks and time.monotonic() < deadline:  # the reexec reply goes out first
             await asyncio.sleep(0.005)
         await daemon.close_for_exec()
+        if sup.crosshost is not None:  # last: the lease is renewed as close to the exec as can be
+            from omnid.cluster.session import ExecRefused
+
+            try:
+                await sup.crosshost.session.pause_for_exec()
+            except ExecRefused as exc:
+                raise OSError(str(exc)) from None
+            cluster_paused = True
+            why = sup.crosshost.exec_refusal()  # a failure heard meanwhile: its members must stop now
+            if why is not None:
+                raise OSError(why)
         if not sup.idle():  # a death while the front closed: it is handled here, not half-handed over
             raise OSError("a unit became busy while the daemon closed its sockets")
         rec, fds = record(daemon, check)
@@ -257,6 +300,8 @@ async def hand_over(daemon: Any, check: ProgramCheck) -> None:
                     os.set_inheritable(fd, False)
     except OSError as exc:
         log.error("re-exec failed; this program goes on", error=str(exc))
+        if cluster_paused:
+            sup.crosshost.session.resume_after_failed_exec()
         await daemon.reopen_after_failed_exec()
     finally:
         sup.frozen = False
@@ -377,3 +422,8 @@ def validate(rec: dict[str, Any], stack: Any) -> None:
     if rec["cgroup"] is not None:
         str(rec["cgroup"]["path"])
         dict(rec["cgroup"]["units"])
+    if rec.get("cluster") is not None:  # absent: a program without it, or no [cluster] (a fresh session)
+        from omnid.core.crosshost import read_handover
+
+        read_handover(rec["cluster"], stack, {k[len("group:"):]: int(b["generation"]) for k, b in sup["books"].items()
+                                               if k.startswith("group:")})

@@ -10,6 +10,7 @@ Kept lean for CI (2 cores): lease_ttl 3 s, two ranks per host.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from omnid import linux
 from omnid.demo import rankprogress
 from tests.harness import Daemon, alive, free_port, temp_dir, wait_for
 from tests.netns import HostDaemon, Testbed, ranks_stack, unavailable
@@ -171,6 +173,8 @@ def test_e2e_etcd_killed_and_restarted_leaves_the_ranks_running(cluster):
     t = time.time()
     wait_for(lambda: "unreachable" in a.call("status")["result"]["daemon"]["cluster"]["etcd"], TTL + 5,
              "a to see etcd unreachable")
+    r = a.call("reexec")  # the next program could not renew the lease: refused, nothing changed
+    assert r.get("error", {}).get("code") == "reexec_refused" and "etcd does not answer" in r["error"]["message"], r
     # Past the moment a cut-off host would fence: an observation window, the ranks still all-reduce.
     deadline = time.monotonic() + TTL * 1.5
     while time.monotonic() < deadline:
@@ -194,6 +198,9 @@ def test_e2e_a_slow_host_joins_late_and_nothing_starts_before(cluster):
     code, body = a.health()
     assert code == 503 and "waiting for b" in body["units"]["ranks@0"]["reason"], body
     assert u["group"]["hosts"] == {"a": "joined", "b": "gone"}, u
+    a.reexec()  # its join is handed over unfinished: the next program joins again, finding its own key
+    u = wait_for(lambda: "waiting for b" in (u := a.unit("ranks@1"))["reason"] and u, 30, "a waiting for b again")
+    assert u["group"]["generation"] == 1 and u["pid"] is None, u
     b = start(c, "b")
     up(c, a, b, 1)
     assert a.health()[0] == 200
@@ -210,3 +217,56 @@ def test_e2e_exit_when_failed_stops_both_hosts_with_status_1(cluster):
     assert b.wait_exit(30) == 1, b.log()[-3000:]
     assert not any(alive(p) for p in pb.values())
     assert "exit_when_failed" in a.log() and "exit_when_failed" in b.log()
+
+
+def etcd_keys(bed: Testbed, prefix: str) -> dict[str, tuple[int, int]]:
+    """Every key under `prefix` as etcd has it: key -> (lease, mod_revision)."""
+    import base64
+    import json
+
+    out = json.loads(bed.etcdctl("get", prefix, "--prefix", "-w", "json"))
+    return {base64.b64decode(kv["key"]).decode(): (int(kv.get("lease", 0)), int(kv["mod_revision"]))
+            for kv in out.get("kvs", [])}
+
+
+def test_e2e_reexec_of_a_keeps_ranks_lease_and_generation_then_a_rank_killed_on_a_restarts_all(cluster):
+    c = cluster
+    bed: Testbed = c["bed"]
+    a, b = start(c, "a"), start(c, "b")
+    up(c, a, b, 1)
+    ranks = {h: {n: (p, linux.start_time_of(p)) for n, p in rank_pids(d).items()} for h, d in (("a", a), ("b", b))}
+    prefix = f"/omnid/e2e{bed.id}/"
+    mine = (f"{prefix}hosts/a", f"{prefix}groups/tp/gen/1/join/a")
+    keys = etcd_keys(bed, prefix)
+    before, pid = rankprogress.read(c["progress"]), a.pid
+    a.reexec()
+    a.reexec()  # twice: the second program hands over what it took over
+    st = a.ok("status")["daemon"]
+    assert st["pid"] == pid and st["reexecs"] == 2, st
+    gap = wait_for(lambda: a.ok("status")["daemon"]["cluster"].get("reexec_lease_gap_s"), 10, "a's lease renewed")
+    # (A gap past lease_ttl minus the fencing margin, 2.25 s, would fence: said with every failure below.)
+    print(f"re-exec with [cluster]: handover {st['handover_ms']} ms; lease renewed {gap:.3f} s after the old "
+          f"program's last keepalive ({100 * gap / TTL:.0f}% of lease_ttl {TTL} s)")
+    # Every rank on both hosts the same process, all-reducing on in generation 1.
+    assert {h: {n: (p, linux.start_time_of(p)) for n, p in rank_pids(d).items()}
+            for h, d in (("a", a), ("b", b))} == ranks, f"lease gap {gap} s\n{a.log()[-3000:]}"
+    after = up(c, a, b, 1, after=time.time(), timeout=30)
+    assert all(after[r][1] > before[r][1] and after[r][3] == before[r][3] for r in range(4)), (before, after)
+    # etcd: a's host key and join key untouched, on the same lease; the group's generation is still 1.
+    now = etcd_keys(bed, prefix)
+    assert {k: now.get(k) for k in mine} == {k: keys[k] for k in mine}, (keys, now)
+    assert json.loads(bed.etcdctl("get", f"{prefix}groups/tp/current", "--print-value-only")) == {"generation": 1}
+    for d in (a, b):
+        g = d.unit("ranks@0")["group"]
+        assert (g["generation"], g["state"], g["hosts"]) == (1, "running", {"a": "up", "b": "up"}), g
+        assert "generation down" not in d.log() and "fenced" not in d.log(), f"lease gap {gap} s\n{d.log()[-3000:]}"
+    # A rank killed on a the moment a third program answers (its session's watch may not have
+    # read etcd yet): b's ranks stop, and all start again in generation 2.
+    a.reexec()
+    wall = time.time()
+    os.kill(ranks["a"]["ranks@1"][0], signal.SIGKILL)
+    wait_for(lambda: not any(alive(p) for p, _t in ranks["b"].values()), 15,
+             f"b's ranks stopped after a's rank died (b:\n{b.log()[-3000:]})", interval=0.005)
+    reason = wait_for(lambda: (u := b.unit("ranks@0"))["state"] != "active" and u["reason"], 10, "b's reason")
+    assert "worker group tp generation 1 is down: a: ranks@1 failed: killed by SIGKILL" in reason, reason
+    up(c, a, b, 2, after=wall)

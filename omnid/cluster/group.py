@@ -26,11 +26,14 @@ from enum import Enum
 
 import structlog
 
+from omnid.cluster import checked
 from omnid.cluster import etcd as E
 from omnid.cluster.etcd import EtcdError
 from omnid.cluster.fencing import Action, judge
-from omnid.cluster.keys import DownRecord, JoinRecord, current_value, down_value, join_value
+from omnid.cluster.keys import MAX_GENERATION, MAX_HOSTS, MAX_LOCAL_SIZE, MAX_REASON, DownRecord, JoinRecord, \
+    current_value, down_value, join_value
 from omnid.cluster.peers import DownNotice
+from omnid.cluster.settings import HOST_NAME
 from omnid.cluster.session import ClusterSession
 
 log = structlog.get_logger("omnid.cluster")
@@ -61,6 +64,17 @@ class Generation:
     def world_size(self) -> int:
         return len(self.hosts) * self.local_size
 
+    def to_json(self) -> dict:
+        return {"group": self.group, "number": self.number, "hosts": list(self.hosts), "host_index": self.host_index,
+                "local_size": self.local_size, "master_addr": self.master_addr}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Generation:
+        hosts = checked.strings(d, "hosts", HOST_NAME, MAX_HOSTS)
+        return cls(checked.text(d, "group", limit=64), checked.integer(d, "number", 1, MAX_GENERATION), hosts,
+                   checked.integer(d, "host_index", 0, max(0, len(hosts) - 1)),
+                   checked.integer(d, "local_size", 1, MAX_LOCAL_SIZE), checked.text(d, "master_addr", limit=64))
+
     def rank_env(self, local_index: int) -> dict[str, str]:
         """The environment of this host's member `local_index` (omnid.unit(5), `group_hosts`)."""
         if not 0 <= local_index < self.local_size:
@@ -85,6 +99,57 @@ class GroupDown:
     final: bool = False  # the host where it failed gave up for good (start limit, restart = "no")
     kill_by: float | None = None  # monotonic time the lease may expire at (fencing only)
 
+    def to_json(self) -> dict:
+        return {"group": self.group, "generation": self.generation, "reason": self.reason, "fenced": self.fenced,
+                "final": self.final, "kill_by": self.kill_by}
+
+    @classmethod
+    def from_json(cls, d: dict) -> GroupDown:
+        return cls(checked.text(d, "group", limit=64), checked.integer(d, "generation", 1, MAX_GENERATION),
+                   checked.text(d, "reason", limit=4 * MAX_REASON), checked.flag(d, "fenced"), checked.flag(d, "final"),
+                   None if d["kill_by"] is None else checked.number(d, "kill_by"))
+
+
+@dataclass(frozen=True)
+class GroupRecord:
+    """What a re-exec hands over of a ClusterGroup (omnid(8), RE-EXEC): the same generation in
+    the same phase, on the same lease. A join still waiting for other hosts is handed over as
+    not joined: the next program joins again and finds its own join key (the lease is the same),
+    so no new generation begins for it."""
+
+    phase: Phase
+    generation: int
+    reason: str
+    last: int
+    since: float
+    heard: tuple[DownNotice, ...]
+    unwritten: tuple[tuple[int, DownRecord], ...]  # down records not yet in etcd: written by the next program
+    held: bool
+    grace_from: float
+    counters: tuple[tuple[str, int], ...]
+
+    def to_json(self) -> dict:
+        return {"phase": self.phase.value, "generation": self.generation, "reason": self.reason, "last": self.last,
+                "since": self.since, "heard": [n.to_json() for n in self.heard],
+                "unwritten": [[n, r.to_json()] for n, r in self.unwritten], "held": self.held,
+                "grace_from": self.grace_from, "counters": dict(self.counters)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> GroupRecord:
+        phase = checked.text(d, "phase", limit=16)
+        if phase not in {p.value for p in Phase}:
+            raise ValueError(f"phase: {phase!r} is none of {', '.join(p.value for p in Phase)}")
+        def unwritten(item: list) -> tuple[int, DownRecord]:
+            if not isinstance(item, list) or len(item) != 2:
+                raise ValueError("expected a [generation, down record] pair")
+            return checked.integer(item, 0, 1, MAX_GENERATION), DownRecord.from_json(item[1])
+
+        return cls(Phase(phase), checked.integer(d, "generation", 0, MAX_GENERATION),
+                   checked.text(d, "reason", limit=4 * MAX_REASON), checked.integer(d, "last", 0, MAX_GENERATION),
+                   checked.number(d, "since"), checked.each(d, "heard", DownNotice.from_json, 16),
+                   checked.each(d, "unwritten", unwritten, 16), checked.flag(d, "held"), checked.number(d, "grace_from"),
+                   tuple(checked.counters(d, "counters", ("generations", "fenced", "down")).items()))
+
 
 class ClusterGroup:
     def __init__(self, session: ClusterSession, name: str, hosts: tuple[str, ...], local_size: int,
@@ -107,6 +172,7 @@ class ClusterGroup:
         self._since = 0.0
         self._heard: dict[int, DownNotice] = {}  # generation -> a peer's notice that it went down
         self._pending: set[asyncio.Task] = set()
+        self._unwritten: dict[int, DownRecord] = {}  # generation -> its down record, until it is in etcd
         self._wake = asyncio.Event()
         self._hold_logged = False
         self.on_reason: Callable[[], None] | None = None  # the barrier's reason changed (who is missing)
@@ -382,6 +448,7 @@ class ClusterGroup:
                 log.exception("on_down handler failed", group=self.name, generation=n)
 
     def _record_down(self, n: int, record: DownRecord) -> None:
+        self._unwritten.setdefault(n, record)
         task = self.session.spawn(self._write_down(n, record), f"cluster group {self.name} down record")
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
@@ -392,14 +459,39 @@ class ClusterGroup:
         while s.current(self.name)[0] <= n + 1:
             e = s.entry(key)
             if e is not None and isinstance(e.value, DownRecord):
-                return  # the first cause is recorded already
+                break  # the first cause is recorded already
             try:  # created once; a hostile value there (ignored) is replaced
                 r = await s.link.txn([E.mod_revision_is(key, e.mod_revision if e else 0)], [E.put(key, down_value(record))])
                 if r.succeeded:
-                    return
+                    break
                 await asyncio.sleep(0.05)  # it changed meanwhile: look again once the watch brings it
             except EtcdError:
                 await asyncio.sleep(s.keepalive_every)
+        self._unwritten.pop(n, None)  # (not when cancelled: a re-exec hands it over)
+
+    def write_unwritten(self) -> None:
+        """Write again the down records a re-exec interrupted (the session's loops run)."""
+        for n, record in list(self._unwritten.items()):
+            task = self.session.spawn(self._write_down(n, record), f"cluster group {self.name} down record")
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    # -- re-exec ------------------------------------------------------------------------------------------
+    def handover(self) -> GroupRecord:
+        return GroupRecord(self.phase, self.generation, self.reason, self._last, self._since,
+                           tuple(self._heard.values()), tuple(self._unwritten.items()), self._held, self._grace_from,
+                           tuple(self.counters.items()))
+
+    def take_over(self, rec: GroupRecord) -> None:
+        """Go on from what the previous program of this daemon handed over (before the session's
+        loops start; the lease is the same one, so our join keys in etcd are still ours)."""
+        self.phase = Phase.IDLE if rec.phase is Phase.JOINING else rec.phase
+        self.generation, self.reason, self._last, self._since = rec.generation, rec.reason, rec.last, rec.since
+        self._lease = self.session.lease_id
+        self._heard = {n.generation: n for n in rec.heard}
+        self._unwritten = dict(rec.unwritten)
+        self._held, self._grace_from = rec.held, rec.grace_from
+        self.counters.update(dict(rec.counters))
 
     # -- status ---------------------------------------------------------------------------------------------
     def status(self) -> dict:

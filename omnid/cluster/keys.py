@@ -60,6 +60,16 @@ class DownRecord:
     reason: str
     final: bool = False  # the group will not start again by itself (start limit, restart = "no", refused)
 
+    def to_json(self) -> dict[str, Any]:
+        return {"host": self.host, "reason": self.reason, "final": self.final}
+
+    @classmethod
+    def from_json(cls, d: Any) -> DownRecord:
+        """From a re-exec's handover (ValueError naming the field, as for a value in etcd)."""
+        if not isinstance(d, dict):
+            raise ValueError("a down record: expected an object")
+        return parse_down(encode(d))
+
 
 @dataclass(frozen=True)
 class Key:

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from omnid.cluster.keys import MAX_REASON
+from omnid.cluster import checked
+from omnid.cluster.keys import MAX_GENERATION, MAX_REASON
 from omnid.cluster.settings import HOST_NAME
 
 log = structlog.get_logger("omnid.cluster")
@@ -50,6 +51,14 @@ class DownNotice:
     host: str  # where it went down
     reason: str
 
+    def to_json(self) -> dict:
+        return {"group": self.group, "generation": self.generation, "host": self.host, "reason": self.reason}
+
+    @classmethod
+    def from_json(cls, d: dict) -> DownNotice:
+        return cls(checked.text(d, "group", _GROUP), checked.integer(d, "generation", 1, MAX_GENERATION),
+                   checked.text(d, "host", HOST_NAME), checked.text(d, "reason", limit=MAX_REASON))
+
 
 @dataclass
 class PeerView:
@@ -62,6 +71,62 @@ class PeerView:
     heard_at: float  # our monotonic clock
     etcd_ok: bool
     groups: dict[str, int] = field(default_factory=dict)  # group -> generation it runs (0: none)
+
+    def to_json(self) -> dict:
+        return {"host": self.host, "boot": self.boot, "seq": self.seq, "sent_at": self.sent_at,
+                "heard_at": self.heard_at, "etcd_ok": self.etcd_ok, "groups": dict(self.groups)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> PeerView:
+        groups = checked.obj(d, "groups")
+        if len(groups) > 64 or not all(_GROUP.fullmatch(g) for g in groups):
+            raise ValueError("groups: expected at most 64 group names")
+        return cls(checked.text(d, "host", HOST_NAME), checked.text(d, "boot", _BOOT), checked.integer(d, "seq"),
+                   checked.number(d, "sent_at"), checked.number(d, "heard_at"), checked.flag(d, "etcd_ok"),
+                   {g: checked.integer(groups, g, 0, MAX_GENERATION) for g in groups})
+
+
+@dataclass(frozen=True)
+class PeerLinkRecord:
+    """What a re-exec hands over of the heartbeat (omnid(8), RE-EXEC): the same sender (boot,
+    sequence: peers see no restart, nothing looks replayed), its key, and what it heard (so the
+    fencing rule does not misjudge the first seconds of the new program)."""
+
+    fd: int  # the bound UDP socket, inherited: datagrams sent meanwhile wait in it
+    boot: str
+    seq: int
+    key: str | None  # hex; None until the stack's secret was known
+    views: tuple[PeerView, ...]
+    outbox: tuple[tuple[DownNotice, int], ...]
+    hosts: tuple[str, ...]
+    peers: tuple[tuple[str, str, int], ...]  # host, address, port
+    received: int
+    dropped: tuple[tuple[str, int], ...]
+
+    def to_json(self) -> dict:
+        return {"fd": self.fd, "boot": self.boot, "seq": self.seq, "key": self.key,
+                "views": [v.to_json() for v in self.views], "outbox": [[n.to_json(), left] for n, left in self.outbox],
+                "hosts": list(self.hosts), "peers": [list(p) for p in self.peers], "received": self.received,
+                "dropped": dict(self.dropped)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> PeerLinkRecord:
+        key = d["key"]
+        if key is not None and not (isinstance(key, str) and re.fullmatch(r"[0-9a-f]{64}", key)):
+            raise ValueError("key: expected 64 hex digits or null")
+        def notice(item: list) -> tuple[DownNotice, int]:
+            if not isinstance(item, list) or len(item) != 2:
+                raise ValueError("expected a [notice, repeats] pair")
+            return DownNotice.from_json(item[0]), checked.integer(item, 1, 0, 16)
+
+        dropped = checked.obj(d, "dropped")
+        if len(dropped) > 16 or not all(re.fullmatch(r"[a-z-]{1,16}", k) for k in dropped):
+            raise ValueError("dropped: expected at most 16 reasons")
+        return cls(checked.integer(d, "fd", 0, 1 << 20), checked.text(d, "boot", _BOOT), checked.integer(d, "seq"), key,
+                   checked.each(d, "views", PeerView.from_json), checked.each(d, "outbox", notice),
+                   checked.strings(d, "hosts", HOST_NAME), checked.each(d, "peers", checked.address),
+                   checked.integer(d, "received"),
+                   tuple((k, checked.integer(dropped, k)) for k in dropped))
 
 
 def derive_key(secret: bytes, prefix: str) -> bytes:
@@ -93,12 +158,42 @@ class PeerLink(asyncio.DatagramProtocol):
         self._logged: set[str] = set()
 
     # -- life ---------------------------------------------------------------------------
-    async def open(self) -> None:
-        """Bind address:port (UDP); OSError names why (an address that is not this host's)."""
-        family = socket.AF_INET6 if ":" in self.address else socket.AF_INET
+    async def open(self, fd: int | None = None) -> None:
+        """Bind address:port (UDP); OSError names why (an address that is not this host's).
+        `fd`: the socket a previous program of this daemon bound (a re-exec), used as it is."""
         loop = asyncio.get_running_loop()
+        if fd is not None:
+            os.set_inheritable(fd, False)
+            sock = socket.socket(fileno=fd)
+            sock.setblocking(False)
+            self._transport, _ = await loop.create_datagram_endpoint(lambda: self, sock=sock)
+            return
+        family = socket.AF_INET6 if ":" in self.address else socket.AF_INET
         self._transport, _ = await loop.create_datagram_endpoint(
             lambda: self, local_addr=(self.address, self.port), family=family)
+
+    def fileno(self) -> int:
+        assert self._transport is not None
+        return self._transport.get_extra_info("socket").fileno()
+
+    # -- re-exec ----------------------------------------------------------------------------
+    def handover(self) -> PeerLinkRecord:
+        """For the next program of this daemon (its socket stays open across exec)."""
+        return PeerLinkRecord(self.fileno(), self.boot, self._seq, self._key.hex() if self._key else None,
+                              tuple(self.views.values()), tuple(self._outbox), tuple(sorted(self._hosts)),
+                              tuple((h, a, p) for h, (a, p) in self._peers.items()), self.received,
+                              tuple(self.dropped.items()))
+
+    def take_over(self, rec: PeerLinkRecord) -> None:
+        """Go on as the sender the previous program was (before open(rec.fd))."""
+        self.boot, self._seq = rec.boot, rec.seq
+        self._key = bytes.fromhex(rec.key) if rec.key else None
+        self.views = {v.host: v for v in rec.views}
+        self._outbox = list(rec.outbox)
+        self._hosts = set(rec.hosts)
+        self._peers = {h: (a, p) for h, a, p in rec.peers}
+        self.received = rec.received
+        self.dropped = dict(rec.dropped)
 
     def close(self) -> None:
         if self._transport is not None:

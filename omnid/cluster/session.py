@@ -12,26 +12,69 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
+from omnid.cluster import checked
 from omnid.cluster import etcd as E
 from omnid.cluster.etcd import EtcdError, EtcdLink, KV
 from omnid.cluster.keys import HostileLog, HostileValue, HostRecord, KeySpace, host_value, parse_host
 from omnid.cluster.mirror import Entry, Mirror
-from omnid.cluster.peers import DownNotice, PeerLink
-from omnid.cluster.settings import ClusterSettings, read_secret
+from omnid.cluster.peers import DownNotice, PeerLink, PeerLinkRecord
+from omnid.cluster.settings import HOST_NAME, ClusterSettings, read_secret
 from omnid.tasks import DaemonTask, report_crash
 
 log = structlog.get_logger("omnid.cluster")
+_BOOT = re.compile(r"[0-9a-f]{8,64}")
 
 
 
 class ClusterRefused(Exception):
     """This host cannot take part: its address is not its own, or another omnid is this host."""
+
+
+class ExecRefused(Exception):
+    """A re-exec now would risk this host's lease (etcd does not answer); nothing was changed."""
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """What a re-exec hands over of this host's membership (omnid(8), RE-EXEC): the same lease
+    and boot (to etcd and the peers this host never left), when etcd last answered (fencing
+    counts the handover as a silence of etcd), and the heartbeat."""
+
+    host: str
+    prefix: str
+    lease_id: int  # 0: none held yet (the next program acquires one)
+    boot: str
+    last_ok_sent: float  # monotonic: the clock survives exec
+    counters: tuple[tuple[str, int], ...]
+    hostile_values: int
+    addresses: tuple[tuple[str, str, int], ...]  # host, address, peer port: beats go out before the watch reads
+    peers: PeerLinkRecord
+
+    def to_json(self) -> dict:
+        return {"host": self.host, "prefix": self.prefix, "lease_id": self.lease_id, "boot": self.boot,
+                "last_ok_sent": self.last_ok_sent, "counters": dict(self.counters),
+                "hostile_values": self.hostile_values, "addresses": [list(a) for a in self.addresses],
+                "peers": self.peers.to_json()}
+
+    @classmethod
+    def from_json(cls, d: dict) -> SessionRecord:
+        try:
+            peers = PeerLinkRecord.from_json(checked.obj(d, "peers"))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"peers.{exc}" if isinstance(exc, ValueError) else f"peers: missing or bad {exc}") from None
+        return cls(checked.text(d, "host", HOST_NAME), checked.text(d, "prefix", limit=256),
+                   checked.integer(d, "lease_id", 0, checked.MAX_INT), checked.text(d, "boot", _BOOT),
+                   checked.number(d, "last_ok_sent"),
+                   tuple(checked.counters(d, "counters", ("etcd_outages", "lease_expired")).items()),
+                   checked.integer(d, "hostile_values"), checked.each(d, "addresses", checked.address, 256), peers)
 
 
 class ClusterSession:
@@ -69,13 +112,16 @@ class ClusterSession:
         self._watch: DaemonTask | None = None
         self._closed = False
         self.counters = {"etcd_outages": 0, "lease_expired": 0}
+        self._peer_fd: int | None = None  # the heartbeat socket a previous program bound (re-exec)
+        self._handed_at: float | None = None  # re-exec: when the previous program's last keepalive was sent
+        self.lease_gap_s: float | None = None  # re-exec: from that keepalive to the first one answered here
 
     # -- life -------------------------------------------------------------------------------
     async def open(self) -> None:
         """Bind the heartbeat socket and start the loops; etcd is reached in the background
         (a daemon starts, and says so, whether or not etcd answers yet)."""
         try:
-            await self.peers.open()
+            await self.peers.open(self._peer_fd)
         except OSError as exc:
             raise ClusterRefused(f"cluster.address: cannot listen on {self.settings.address} port "
                                  f"{self.settings.peer_port} for peer heartbeats ({exc.strerror or exc}); "
@@ -83,19 +129,22 @@ class ClusterSession:
         secret = read_secret(self.settings)
         if secret is not None:
             self.peers.set_secret(secret)
+        self._start_loops()
+        log.info("cluster membership starting", host=self.host, etcd=[str(e) for e in self.settings.endpoints],
+                 prefix=self.settings.prefix, lease_ttl=self.settings.lease_ttl,
+                 **({"lease": f"{self.lease_id:x}", "taken_over": True} if self._handed_at is not None else {}))
+
+    def _start_loops(self) -> None:
         loop = asyncio.get_running_loop()
         for name, coro in (("lease", self._lease_loop), ("monitor", self._monitor_loop)):
             self._loops.append(DaemonTask(f"cluster {name}", lambda c=coro: loop.create_task(c())).start())
         self._start_watch()
-        log.info("cluster membership starting", host=self.host, etcd=[str(e) for e in self.settings.endpoints],
-                 prefix=self.settings.prefix, lease_ttl=self.settings.lease_ttl)
+        for g in list(self.groups.values()):
+            g.write_unwritten()
 
-    async def close(self) -> None:
-        """Stop the loops, give the lease back (peers see this host leave at once), close."""
-        self._closed = True
-        if self._tasks:  # the down records of the stop just made: written before the lease goes
-            await asyncio.wait(set(self._tasks), timeout=self.call_timeout)
+    async def _stop_loops(self) -> None:
         loops = [*self._loops, *([self._watch] if self._watch else [])]
+        self._loops, self._watch = [], None
         for d in loops:
             d.close()
         for t in self._tasks:
@@ -105,8 +154,15 @@ class ClusterSession:
                 await t
             except asyncio.CancelledError:
                 pass
-            except Exception as exc:  # noqa: BLE001 -- already logged when it crashed; closing anyway
-                log.debug("cluster task ended with an error at close", error=repr(exc))
+            except Exception as exc:  # noqa: BLE001 -- already logged when it crashed; stopping anyway
+                log.debug("cluster task ended with an error when stopped", error=repr(exc))
+
+    async def close(self) -> None:
+        """Stop the loops, give the lease back (peers see this host leave at once), close."""
+        self._closed = True
+        if self._tasks:  # the down records of the stop just made: written before the lease goes
+            await asyncio.wait(set(self._tasks), timeout=self.call_timeout)
+        await self._stop_loops()
         if self.lease_id:
             try:
                 await self.link.revoke(self.lease_id, self.call_timeout)
@@ -114,6 +170,54 @@ class ClusterSession:
                 log.info("could not give the lease back; it expires by itself", error=str(exc))
         await self.link.close()
         self.peers.close()
+
+    # -- re-exec (omnid.handover) --------------------------------------------------------------
+    async def pause_for_exec(self) -> None:
+        """Before a re-exec: the down records still being written get a moment; the loops and
+        the watch stop; the lease is renewed once more, so the next program starts with a whole
+        lease_ttl (and is NOT given back: that is close()); the etcd connection closes. The
+        heartbeat socket stays open, for the next program. ExecRefused (loops running again)
+        when etcd does not renew the lease."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=min(1.0, self.call_timeout))
+        await self._stop_loops()
+        if self.lease_id:
+            sent = self.clock()
+            try:
+                ttl = await self.link.keepalive(self.lease_id, self.call_timeout)
+            except EtcdError as exc:
+                self._etcd_failed(str(exc))
+                self._start_loops()
+                raise ExecRefused(f"etcd did not renew this host's lease before the re-exec: {exc}") from None
+            if ttl <= 0:
+                self._lease_expired()
+                self._start_loops()
+                raise ExecRefused("this host's etcd lease expired just before the re-exec") from None
+            self._etcd_answered(sent)
+        await self.link.close()
+
+    def resume_after_failed_exec(self) -> None:
+        """The exec did not happen: this program goes on (the etcd connection dials again)."""
+        self._start_loops()
+
+    def handover(self) -> SessionRecord:
+        return SessionRecord(self.host, self.settings.prefix, self.lease_id, self.boot, self.last_ok_sent,
+                             tuple(self.counters.items()), self.hostile.count,
+                             tuple((h, a, p) for h, (a, p) in self.mirror.addresses.items()), self.peers.handover())
+
+    def take_over(self, rec: SessionRecord) -> None:
+        """Go on with the lease, boot and heartbeat of the previous program of this daemon (before
+        open()). Until etcd answers here, the handover counts as etcd's silence: fencing judges
+        from the previous program's last keepalive, as it would for any outage."""
+        self.lease_id, self.boot, self.last_ok_sent = rec.lease_id, rec.boot, rec.last_ok_sent
+        self.counters.update(dict(rec.counters))
+        self.hostile.count = rec.hostile_values
+        self.mirror.addresses.update({h: (a, p) for h, a, p in rec.addresses})
+        self.peers.take_over(rec.peers)
+        self._peer_fd = rec.peers.fd
+        if self.lease_id:
+            self._handed_at = rec.last_ok_sent
+            self._leased.set()
 
     def spawn(self, coro: Coroutine, what: str) -> asyncio.Task:
         """A background etcd write whose failure is logged, never lost."""
@@ -163,6 +267,11 @@ class ClusterSession:
 
     def _etcd_answered(self, sent: float) -> None:
         self.last_ok_sent = max(self.last_ok_sent, sent)
+        if self._handed_at is not None and self.lease_gap_s is None:
+            self.lease_gap_s = round(sent - self._handed_at, 3)
+            log.info("cluster lease kept across the re-exec", lease=f"{self.lease_id:x}", gap_s=self.lease_gap_s,
+                     lease_ttl=self.ttl, fencing_after_s=self.ttl - self.margin,
+                     used=f"{100 * self.lease_gap_s / self.ttl:.0f}% of lease_ttl")
         if not self.etcd_ok and self._outage_since is not None:
             log.info("etcd answers again", endpoint=self.link.endpoint,
                      after_s=round(self.clock() - self._outage_since, 2))
@@ -361,4 +470,5 @@ class ClusterSession:
             "endpoint": self.link.endpoint, "refused": self.refused, "peers": peers,
             "hostile_values": self.hostile.count, "datagrams_dropped": dict(self.peers.dropped),
             **self.counters,
+            **({"reexec_lease_gap_s": self.lease_gap_s} if self.lease_gap_s is not None else {}),
         }

@@ -16,18 +16,24 @@ bridge between a group's members here (omnid.core.groups) and its `ClusterGroup`
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import os
+import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import structlog
 
-from omnid.cluster.group import ClusterGroup, Generation, GroupDown, GroupRefused
-from omnid.cluster.session import ClusterRefused, ClusterSession
+from omnid.cluster import checked
+from omnid.cluster.group import ClusterGroup, Generation, GroupDown, GroupRecord, GroupRefused, Phase
+from omnid.cluster.session import ClusterRefused, ClusterSession, SessionRecord
+from omnid.cluster.settings import check_file
 from omnid.core import policy
 from omnid.core.centre import Centre
 from omnid.core.lifecycle import Goal
 from omnid.core.runtime import RestartBook, UnitRuntime
-from omnid.units import RestartPolicy
+from omnid.units import RestartPolicy, Stack
 
 log = structlog.get_logger("omnid.supervisor")
 
@@ -41,6 +47,108 @@ class _Link:
     joining: asyncio.Task | None = None
     down: GroupDown | None = None  # how the running generation went down (elsewhere or fenced)
     counters: dict = field(default_factory=lambda: {"fenced": 0, "remote_down": 0})
+
+
+@dataclass(frozen=True)
+class HandedGroup:
+    """One group across hosts as a re-exec hands it over: its ClusterGroup, and the generation
+    open here (or admitted: joined by every host, its members not started yet)."""
+
+    cluster: GroupRecord
+    admitted: Generation | None
+    running: Generation | None
+    down: GroupDown | None
+    counters: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class HandedCluster:
+    session: SessionRecord
+    groups: Mapping[str, HandedGroup]
+
+
+def _checked(where: str, read, *args):  # noqa: ANN001, ANN202 -- one reader of the record
+    try:
+        return read(*args)
+    except (ValueError, KeyError, TypeError) as exc:
+        what = str(exc) if isinstance(exc, ValueError) else f"missing or malformed {exc}"
+        raise ValueError(f"cluster.{where}: {what}") from None
+
+
+def read_handover(d: dict, stack: Stack, book_generations: Mapping[str, int]) -> HandedCluster:
+    """The cluster part of a re-exec's handover, read back and checked against the stack (its
+    [cluster] settings, its groups across hosts, their restart books' generations) and the
+    kernel (the heartbeat socket). ValueError naming the key: the caller falls back."""
+    cfg = stack.settings.cluster
+    if cfg is None:
+        raise ValueError("cluster: handed over, but the stack has no [cluster]")
+    session = _checked("session", SessionRecord.from_json, _checked("session", checked.obj, d, "session"))
+    if (session.host, session.prefix) != (cfg.host, cfg.prefix):
+        raise ValueError(f"cluster.session: host {session.host!r} prefix {session.prefix!r}, the stack has "
+                         f"host {cfg.host!r} prefix {cfg.prefix!r}")
+    _check_peer_socket(session.peers.fd, cfg.address, cfg.peer_port)
+    # The files the session reads when it is made (a certificate replaced by something unsafe
+    # since the start): named now, before anything is taken over, not once it is.
+    for key, path, private in (("cluster.ca", cfg.ca, False), ("cluster.cert", cfg.cert, False),
+                               ("cluster.key", cfg.key, True), ("cluster.secret_file", cfg.secret_file, True)):
+        if path is not None:
+            check_file(key, path, private=private)
+    wanted = {g: names for g, names in stack.groups.items() if stack.units[names[0]].group_hosts}
+    raw = _checked("groups", checked.obj, d, "groups")
+    if set(raw) != set(wanted):
+        raise ValueError(f"cluster.groups: [{', '.join(sorted(raw))}] handed over, the stack's groups across "
+                         f"hosts are [{', '.join(sorted(wanted))}]")
+    groups = {}
+    for name, names in wanted.items():
+        g = _checked(f"groups.{name}", checked.obj, raw, name)
+        missing = [k for k in ("cluster", "admitted", "running", "down") if k not in g]
+        if missing:
+            raise ValueError(f"cluster.groups.{name}: missing {', '.join(missing)}")
+        gens = {k: None if g[k] is None else _checked(f"groups.{name}.{k}", Generation.from_json, g[k])
+                for k in ("admitted", "running")}
+        down = None if g["down"] is None else _checked(f"groups.{name}.down", GroupDown.from_json, g["down"])
+        h = HandedGroup(_checked(f"groups.{name}.cluster", GroupRecord.from_json, g["cluster"]),
+                        gens["admitted"], gens["running"], down,
+                        tuple(_checked(f"groups.{name}", checked.counters, g, "counters",
+                                       ("fenced", "remote_down")).items()))
+        hosts = stack.units[names[0]].group_hosts
+        for k, gen in gens.items():
+            if gen is not None and (gen.group, gen.hosts, gen.local_size, gen.hosts[gen.host_index]) != (
+                    name, tuple(hosts), len(names), cfg.host):
+                raise ValueError(f"cluster.groups.{name}.{k}: generation {gen.number} is of group {gen.group} on "
+                                 f"[{', '.join(gen.hosts)}] x {gen.local_size}; the stack has [{', '.join(hosts)}] "
+                                 f"x {len(names)}, this host {cfg.host}")
+        if h.running is not None and h.running.number != book_generations.get(name):
+            raise ValueError(f"cluster.groups.{name}.running: generation {h.running.number}, its members' restart "
+                             f"book says {book_generations.get(name)}")
+        opened = h.running or h.admitted
+        if h.cluster.phase is Phase.RUNNING and opened is not None and opened.number != h.cluster.generation:
+            raise ValueError(f"cluster.groups.{name}: generation {h.cluster.generation} runs here, but "
+                             f"{opened.number} is open")
+        groups[name] = h
+    return HandedCluster(session, groups)
+
+
+def _check_peer_socket(fd: int, address: str, port: int) -> None:
+    """The inherited heartbeat socket: open, UDP, bound to the settings' address and port."""
+    try:
+        dup = os.dup(fd)
+    except OSError as exc:
+        raise ValueError(f"cluster.session.peers.fd: fd {fd}: {exc.strerror}") from None
+    try:
+        sock = socket.socket(fileno=dup)
+    except OSError as exc:
+        os.close(dup)
+        raise ValueError(f"cluster.session.peers.fd: fd {fd} is not a socket ({exc.strerror})") from None
+    with sock:
+        try:
+            bound, kind = sock.getsockname(), sock.type
+        except OSError as exc:
+            raise ValueError(f"cluster.session.peers.fd: fd {fd}: {exc.strerror}") from None
+    if kind != socket.SOCK_DGRAM or not isinstance(bound, tuple) or bound[1] != port \
+            or ipaddress.ip_address(bound[0]) != ipaddress.ip_address(address):
+        raise ValueError(f"cluster.session.peers.fd: fd {fd} is {bound!r} ({kind!r}); expected UDP on "
+                         f"{address} port {port}")
 
 
 class CrossHost:
@@ -256,6 +364,41 @@ class CrossHost:
             out[g] = {"generations": c["generations"], "fenced": c["fenced"], "down": c["down"],
                       "remote_down": lk.counters["remote_down"]}
         return out
+
+    # -- re-exec (omnid.handover) ---------------------------------------------------------------------
+    def exec_refusal(self) -> str | None:
+        """Why a re-exec must not go on now, or None."""
+        s = self.session
+        if s.lease_id and not s.etcd_ok:
+            return (f"etcd does not answer ({s.status()['etcd']}): the next program could not renew this host's "
+                    f"lease (lease_ttl {s.ttl:g} s) and the peers would stop the groups; try again once it answers")
+        for name, lk in self.links.items():
+            if lk.cluster.phase is Phase.DOWN:
+                return f"worker group {name} generation {lk.cluster.generation} is down here: {lk.cluster.reason}"
+        return None
+
+    def joining(self) -> list[str]:
+        """The groups whose join is under way (waiting for etcd or for other hosts)."""
+        return [name for name, lk in self.links.items() if lk.joining is not None]
+
+    def handover(self) -> dict:
+        """For the next program (after session.pause_for_exec). A join under way is not handed
+        over: its task ends with this program, and the next one joins again."""
+        return {"session": self.session.handover().to_json(),
+                "groups": {name: {"cluster": lk.cluster.handover().to_json(),
+                                  "admitted": lk.admitted.to_json() if lk.admitted else None,
+                                  "running": lk.running.to_json() if lk.running else None,
+                                  "down": lk.down.to_json() if lk.down else None, "counters": dict(lk.counters)}
+                           for name, lk in self.links.items()}}
+
+    def take_over(self, handed: HandedCluster) -> None:
+        """Go on where the previous program of this daemon was (before the session opens)."""
+        self.session.take_over(handed.session)
+        for name, h in handed.groups.items():
+            lk = self.links[name]
+            lk.cluster.take_over(h.cluster)
+            lk.admitted, lk.running, lk.down = h.admitted, h.running, h.down
+            lk.counters.update(dict(h.counters))
 
     async def close(self) -> None:
         for lk in self.links.values():

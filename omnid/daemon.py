@@ -23,7 +23,7 @@ from pathlib import Path
 import structlog
 
 from omnid import cgroup as cgroup_mod
-from omnid import linux, logconfig, settings, startup
+from omnid import clusterwiring, linux, logconfig, settings, startup
 from omnid.capturestore import CaptureStore
 from omnid.control import ControlError, ControlServer, prepare_socket_dir
 from omnid.core import takeover as takeover_mod
@@ -195,7 +195,7 @@ class Daemon:
         if takeover is not None:
             takeover_mod.take_over(self.sup, takeover["supervisor"])
             self.metrics.take_over(takeover["metrics"])
-        if self.stack.settings.cluster is not None and not await self._open_cluster(takeover):
+        if self.stack.settings.cluster is not None and not await clusterwiring.open_cluster(self, takeover):
             self.exit_code = 2  # named on stderr and in the log; nothing is started
             self.shutdown_requested.set()
         self.handlers = ControlHandlers(self)
@@ -240,7 +240,8 @@ class Daemon:
                                                               self.shutdown_requested))
                 startup_task.add_done_callback(self._report_task)
             if self.stack.settings.exit_when_failed:
-                self._failed_watch = report_crash(loop.create_task(self._watch_failed_for_good()), "exit_when_failed")
+                self._failed_watch = report_crash(loop.create_task(clusterwiring.watch_failed_for_good(self)),
+                                                  "exit_when_failed")
         await self.shutdown_requested.wait()
         return await self._stop(startup_task)
 
@@ -297,7 +298,7 @@ class Daemon:
             await asyncio.sleep(drain_sec)
         t0 = time.monotonic()
         recs = await self.sup.requests.shutdown()
-        await self._close_cluster()
+        await clusterwiring.close_cluster(self)
         self.shutdown_result.set_result(recs)
         left = [p for p in linux.children_of(self.spawner.pid)
                 if (st := linux.read_stat(p)) is not None and st.state not in ("Z", "X")]
@@ -374,66 +375,6 @@ class Daemon:
         self._health_task = report_crash(loop.create_task(self._start_health(sock)), "health API start")
         if self.gpu is not None and self.gpu.available:
             self._gpu_task = DaemonTask("GPU watch", lambda: loop.create_task(self._gpu_watch())).start()
-
-    async def _open_cluster(self, takeover: dict | None = None) -> bool:
-        """[cluster]: this host's membership (lease, watch, heartbeat) and its groups across hosts.
-        gRPC and the etcd client are imported here, only for a stack that spans hosts. After a
-        re-exec, the same lease, groups and heartbeat socket (omnid.core.crosshost.take_over),
-        taken over before the session's loops start."""
-        from omnid.cluster.session import ClusterRefused, ClusterSession
-        from omnid.cluster.settings import SettingsError
-        from omnid.core.crosshost import CrossHost, read_handover
-
-        assert self.sup is not None and self.stack.settings.cluster is not None
-        try:
-            self.cluster = ClusterSession(self.stack.settings.cluster)  # reads the TLS files
-            crosshost = CrossHost(self.sup, self.cluster)
-            if takeover is not None and takeover.get("cluster") is not None:  # checked by handover.validate
-                crosshost.take_over(read_handover(takeover["cluster"], self.stack, {
-                    g: self.sup.units[names[0]].book.generation for g, names in self.stack.groups.items()}))
-            await self.cluster.open()
-        except (ClusterRefused, SettingsError) as exc:
-            log.error("cluster membership refused", reason=str(exc))
-            print(f"omnid: {exc}", file=sys.stderr)
-            if self.cluster is not None:
-                await self.cluster.close()
-            self.cluster = None
-            return False
-        self.sup.crosshost = crosshost
-        return True
-
-    async def _close_cluster(self) -> None:
-        """After the stack's stop: every group was left, then the lease is given back."""
-        if self.sup is not None and self.sup.crosshost is not None:
-            await self.sup.crosshost.close()
-        if getattr(self, "cluster", None) is not None:
-            await self.cluster.close()
-
-    async def _watch_failed_for_good(self) -> None:
-        """exit_when_failed: once a unit failed for good, stop the stack and exit 1, so that a
-        cluster manager (Slurm --kill-on-bad-exit, a LeaderWorkerSet) restarts every host's part."""
-        assert self.sup is not None and self.shutdown_requested is not None
-        found: list[tuple[str, str]] = []
-
-        def failed_for_good() -> bool:
-            from omnid.core import groups
-            from omnid.core.lifecycle import Goal, UnitState
-
-            for rt in self.sup.units.values():
-                if rt.goal is not Goal.ACTIVE or rt.busy:
-                    continue
-                if (rt.state is UnitState.FAILED and not rt.book.restart_pending) or (
-                        rt.state is UnitState.INACTIVE and groups.down_for_good(rt)):
-                    found.append((rt.name, rt.reason))
-                    return True
-            return False
-
-        await self.sup.wait_until(failed_for_good, None)
-        name, why = found[0]
-        log.error("a unit failed for good and exit_when_failed is set: stopping the stack, then exit 1",
-                  unit=name, reason=why)
-        self.exit_code = 1
-        self.shutdown_requested.set()
 
     def _start_control_reader(self) -> asyncio.Task:
         assert self.control is not None

@@ -427,3 +427,4 @@ def validate(rec: dict[str, Any], stack: Any) -> None:
 
         read_handover(rec["cluster"], stack, {k[len("group:"):]: int(b["generation"]) for k, b in sup["books"].items()
                                                if k.startswith("group:")})
+

@@ -226,9 +226,14 @@ class HealthServer:
         serve the connections already accepted, until none is open or `timeout`. Returns how
         many were still open (idle keep-alive ones: their clients reconnect)."""
         server = getattr(self.site, "_server", None)
-        if server is not None:
-            server.close()  # closes only this program's listening socket object
         loop = asyncio.get_running_loop()
+        if server is not None:
+            # Stop reading the listening socket, but do not close the server: a connection
+            # accepted in the same turn is still being set up, and asyncio refuses to attach it
+            # to a closed server (its socket would be left open, unanswered, then reset at the
+            # exec). The program is replaced anyway; the listening socket lives on in its dup.
+            for sock in server.sockets:
+                loop.remove_reader(sock.fileno())
         deadline = loop.time() + timeout
         # Connections accepted in the same turn as the close are set up by tasks that run in
         # the next turns: let them run before counting what is open.

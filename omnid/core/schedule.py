@@ -42,6 +42,11 @@ class Schedule:
         """The event that stops a running unit now, with its reason for people; or None."""
         if rt.goal is Goal.INACTIVE:
             return E.STOP_REQUESTED, "stack stopping" if self.sup.shutting_down else "stopped by request"
+        return self.failed_under(rt)
+
+    def failed_under(self, rt: UnitRuntime) -> tuple[Event, str] | None:
+        """GROUP_DOWN / GROUP_FENCED / DEPENDENCY_DOWN when what rt stands on went down, whatever
+        its goal: also what cuts a drain short (its requests cannot finish any more)."""
         if rt.spec.worker_group and rt.book.down_reason is not None:
             across = groups.stop_reason(self.sup, rt)  # a group across hosts: fenced, or down elsewhere
             if across is not None:

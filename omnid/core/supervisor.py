@@ -293,6 +293,11 @@ class Supervisor:
             if rt.state is S.FAILED and rt.phase is P.IDLE and rt.goal is Goal.INACTIVE:
                 self.feed(rt, E.STOP_REQUESTED, f"stopped by request (was failed: {rt.reason})")
                 continue
+            if rt.phase is P.DRAINING:  # a failure under a draining unit cuts its drain short
+                why = sched.failed_under(rt)
+                if why is not None:
+                    stops.append((rt, why))
+                continue
             if rt.state not in (S.STARTING, S.ACTIVE) or rt.dead:
                 continue
             why = sched.must_stop(rt)

@@ -14,7 +14,7 @@ from typing import Any
 
 from omnid.gpu.backend import _MIB, GpuInfo, GpuProcess, MigInfo, _say_once, in_initial_pid_namespace, log
 from omnid.gpu.bounded import DEFAULT_TIMEOUT_S, BoundedCaller, GpuUnreadable
-from omnid.gpu import nvml_xid
+from omnid.gpu.nvml_xid import register as register_xid_events, wait_event as wait_xid_event
 from omnid.gpu.events import XidEvent, XidEventThread
 from omnid.gpu.faults import GpuCondition, GpuFaults, unreadable
 from omnid.gpu.items import GpuItem
@@ -418,12 +418,12 @@ class NvmlBackend:
         return None
 
     def _register_job(self) -> str:
-        self._event_set, why = nvml_xid.register(self._nvml, self._gpus, self._nv)
+        self._event_set, why = register_xid_events(self._nvml, self._gpus, self._nv)
         return why
 
     def _wait_event(self, timeout_ms: int) -> XidEvent | None:
         """On the event thread: one bounded wait (its stuck check is the thread's)."""
-        return nvml_xid.wait_event(self._nvml, self._event_set, self._gpus, timeout_ms)
+        return wait_xid_event(self._nvml, self._event_set, self._gpus, timeout_ms)
 
     def stop_xid_events(self, wait_s: float | None = None) -> None:
         """Detach the watch (events are kept for the next one); with `wait_s`, end the

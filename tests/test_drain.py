@@ -163,8 +163,15 @@ def test_a_failure_elsewhere_cuts_a_drain_short(tmp_path, daemon_factory):
     import os
     import signal
 
-    stopper = threading.Thread(target=lambda: d.ok("stop", {"units": ["api"]}, timeout=60))
-    stopper.start()
+    # The stop is asked by another process (a control socket is one thread's): the CLI.
+    import subprocess
+    import sys
+
+    from tests.harness import REPO, repo_pythonpath
+
+    stopper = subprocess.Popen([sys.executable, "-m", "omnid", "--control", d.control, "stop", "api"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(REPO),
+                               env=dict(os.environ, PYTHONPATH=repo_pythonpath()))
     try:
         wait_for(lambda: [w for _t, w in record(rec)] == ["USR1"], 10, "api draining")
         fd = os.pidfd_open(d.unit("base")["pid"])
@@ -175,7 +182,8 @@ def test_a_failure_elsewhere_cuts_a_drain_short(tmp_path, daemon_factory):
         term_at = next(t for t, w in record(rec) if w == "TERM")
         assert term_at - t_kill < 2, term_at - t_kill
     finally:
-        stopper.join(60)
+        out, _ = stopper.communicate(timeout=60)
+    assert stopper.returncode == 0, out
 
 
 def test_drain_sec_turns_health_to_draining_before_any_stop_signal(tmp_path, daemon_factory):

@@ -166,6 +166,24 @@ def worst(view: dict[str, dict[str, Any]]) -> str:
     return "degraded" if "degraded" in statuses else ""
 
 
+def read_conditions(faults: GpuFaults, calls: Any, events: Any | None) -> list[GpuCondition]:
+    """Every condition of a backend: its faults, a stuck bounded call (calls, an
+    omnid.gpu.bounded.BoundedCaller) first, and a stuck Xid event reader (events, an
+    omnid.gpu.events.XidEventThread, or None) last."""
+    out = faults.conditions()
+    stuck = calls.stuck()
+    if stuck is not None:
+        out.insert(0, unreadable(stuck))
+    if events is not None and (ev := events.stuck()) is not None:
+        out.append(GpuCondition(None, "degraded", f"Xid events unreadable: {ev.reason()}", ev.wall, "unreadable"))
+    return out
+
+
+def stuck_threads(calls: Any, events: Any | None) -> int:
+    """Reader threads stuck in the driver: the bounded caller's and the Xid reader."""
+    return calls.stuck_threads + (1 if events is not None and events.stuck() is not None else 0)
+
+
 def unreadable(stuck: Any) -> GpuCondition:
     """The condition of a stuck NVML call (an omnid.gpu.bounded.Stuck)."""
     return GpuCondition(gpu=stuck.gpu, status="degraded", reason=stuck.reason(where=False), since=stuck.wall,

@@ -16,7 +16,7 @@ from omnid.gpu.backend import _MIB, GpuInfo, GpuProcess, MigInfo, _say_once, in_
 from omnid.gpu.bounded import DEFAULT_TIMEOUT_S, BoundedCaller, GpuUnreadable
 from omnid.gpu.nvml_xid import register as register_xid_events, wait_event as wait_xid_event
 from omnid.gpu.events import XidEvent, XidEventThread
-from omnid.gpu.faults import GpuCondition, GpuFaults, unreadable
+from omnid.gpu.faults import GpuCondition, GpuFaults, read_conditions, stuck_threads
 from omnid.gpu.items import GpuItem
 
 NVML_TIMEOUT_ENV = "OMNID_NVML_TIMEOUT"
@@ -133,17 +133,10 @@ class NvmlBackend:
 
     @property
     def stuck_threads(self) -> int:
-        events = 1 if self._events is not None and self._events.stuck() is not None else 0
-        return self._calls.stuck_threads + events
+        return stuck_threads(self._calls, self._events)
 
     def conditions(self) -> list[GpuCondition]:
-        out = self.faults.conditions()
-        stuck = self._calls.stuck()
-        if stuck is not None:
-            out.insert(0, unreadable(stuck))
-        if self._events is not None and (ev := self._events.stuck()) is not None:
-            out.append(GpuCondition(None, "degraded", f"Xid events unreadable: {ev.reason()}", ev.wall, "unreadable"))
-        return out
+        return read_conditions(self.faults, self._calls, self._events)
 
     def parent_of(self, item: GpuItem) -> int | None:
         return item if isinstance(item, int) else self._by_uuid.get(item)

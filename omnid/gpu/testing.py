@@ -20,7 +20,7 @@ from typing import Any
 from omnid.gpu.backend import GpuInfo, GpuProcess, MigInfo, _say_once
 from omnid.gpu.bounded import BoundedCaller, GpuUnreadable
 from omnid.gpu.events import XidEvent, XidEventThread
-from omnid.gpu.faults import GpuCondition, GpuFaults, unreadable
+from omnid.gpu.faults import GpuCondition, GpuFaults, read_conditions, stuck_threads
 from omnid.gpu.items import GpuItem, is_mig
 from omnid.gpu.nvml import _remap_condition, nvml_timeout
 
@@ -95,17 +95,10 @@ class FakeGpuBackend:
 
     @property
     def stuck_threads(self) -> int:
-        events = 1 if self._events is not None and self._events.stuck() is not None else 0
-        return self._calls.stuck_threads + events
+        return stuck_threads(self._calls, self._events)
 
     def conditions(self) -> list[GpuCondition]:
-        out = self.faults.conditions()
-        stuck = self._calls.stuck()
-        if stuck is not None:
-            out.insert(0, unreadable(stuck))
-        if self._events is not None and (ev := self._events.stuck()) is not None:
-            out.append(GpuCondition(None, "degraded", f"Xid events unreadable: {ev.reason()}", ev.wall, "unreadable"))
-        return out
+        return read_conditions(self.faults, self._calls, self._events)
 
     def parent_of(self, item: GpuItem) -> int | None:
         if isinstance(item, int):

@@ -238,9 +238,25 @@ def test_open_backend_without_fake_or_nvml_gives_no_gpu_reason(
     def no_library() -> None:
         raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
     monkeypatch.setattr(pynvml, "nvmlInit", no_library)
+    monkeypatch.setattr(gpu, "DRIVER_PATHS", ("/",))  # as if a driver were loaded, its library missing
     backend = open_backend()
     assert isinstance(backend, NoGpuBackend)
     assert backend.reason == "no GPU: NVML not found (libnvidia-ml.so.1 cannot be loaded)"
+
+
+def test_open_backend_where_no_driver_is_never_loads_nvml() -> None:
+    """On a host with no NVIDIA driver the daemon says so and never imports pynvml (its
+    ~2.7 MiB of the daemon's memory buy nothing there). Checked in a fresh interpreter."""
+    present = [p for p in gpu.DRIVER_PATHS if Path(p).exists()]
+    if present:
+        pytest.skip(f"this host has an NVIDIA driver ({', '.join(present)})")
+    code = ("import sys, os; os.environ.pop('OMNID_FAKE_GPU', None); from omnid import gpu; "
+            "b = gpu.open_backend(); print(b.kind, 'pynvml' in sys.modules); print(b.reason)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    first, reason = out.stdout.splitlines()[-2:]  # after the log line
+    assert first == "none False", out.stdout
+    assert reason.startswith("no GPU: no NVIDIA driver on this host") and "/proc/driver/nvidia" in reason
 
 
 @pytest.mark.parametrize("code_name, expected", [

@@ -53,12 +53,23 @@ __all__ = ["FAKE_GPU_ENV", "FakeGpuBackend", "GpuBackend", "GpuCondition", "GpuI
 
 
 
+# What a loaded NVIDIA driver shows: its proc directory, its control device, and WSL's
+# GPU paravirtualisation device (where NVML runs without the other two).
+DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg")
+
+
 def open_backend() -> GpuBackend:
     """The fake backend when OMNID_FAKE_GPU names a file, else NVML, else "no GPU"."""
     fake = os.environ.get(FAKE_GPU_ENV)
     if fake:
         log.info("gpu: using the FAKE GPU backend", path=fake, env=FAKE_GPU_ENV)
         return FakeGpuBackend(fake)
+    if not any(os.path.exists(p) for p in DRIVER_PATHS):
+        # Not even the library is loaded: pynvml costs ~2.7 MiB of the daemon's memory
+        # and finds nothing where no driver is.
+        reason = "no GPU: no NVIDIA driver on this host (none of " + ", ".join(DRIVER_PATHS) + " exists)"
+        log.info("gpu: no GPU backend", reason=reason)
+        return NoGpuBackend(reason)
     nvml = NvmlBackend()
     if nvml.available:
         return nvml

@@ -97,10 +97,27 @@ def no_leaks(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
         pytest.fail("leak check: " + "; ".join(problems), pytrace=False)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test shows what its daemons said: the tail of each one's log, so that a
+    flake under load can be told from a bug without running it again."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.when != "call" or not rep.failed:
+        return
+    for d in getattr(item, "omnid_daemons", ()):
+        try:
+            tail = "\n".join(d.log().splitlines()[-40:])
+        except OSError as exc:
+            tail = f"(log unreadable: {exc})"
+        rep.sections.append((f"omnid daemon log, last 40 lines ({d.log_path})", tail))
+
+
 @pytest.fixture
-def daemon_factory(tmp_path_factory):
+def daemon_factory(tmp_path_factory, request):
     """Start omnid daemons on stack directories; every one is stopped and reaped afterwards."""
     started: list[Daemon] = []
+    request.node.omnid_daemons = started
 
     def start(units_dir, **kw) -> Daemon:
         d = Daemon(units_dir, **kw)

@@ -186,6 +186,26 @@ def test_a_failure_elsewhere_cuts_a_drain_short(tmp_path, daemon_factory):
     assert stopper.returncode == 0, out
 
 
+def test_a_stack_stop_keeps_the_drain_while_other_units_stop_beside_it(tmp_path, daemon_factory):
+    """A stop of the whole stack gives every unit the goal `inactive`, the drained unit's
+    requirement included: that is not a failure under it. Units stopping beside it (each
+    one's end runs the converge again) must not cut its drain short."""
+    rec = tmp_path / "rec"
+    d = daemon_factory(make_stack({
+        "base": 'exec = ["sleep", "1000"]\n',
+        "beside": 'exec = ["sleep", "1000"]\n',
+        "api": unit(tmp_path, rec, 'drain = { signal = "SIGUSR1" }\ndrain_timeout = 20\nrequires = ["base"]\n',
+                    IDLE_AFTER="1.5")}))
+    d.wait_all_active()
+    beside = d.unit("beside")["pid"]
+    d.proc.send_signal(15)
+    assert d.wait_exit(30) == 0, d.log()[-3000:]
+    r = record(rec)
+    assert [w for _t, w in r] == ["USR1", "idle", "TERM"], (r, d.log()[-3000:])
+    assert r[2][0] - r[0][0] >= 1.4, (r, "the stop signal came before the drain was over", d.log()[-3000:])
+    assert not (Path("/proc") / str(beside)).exists()
+
+
 def test_drain_sec_turns_health_to_draining_before_any_stop_signal(tmp_path, daemon_factory):
     rec = tmp_path / "rec"
     d = daemon_factory(make_stack({"api": unit(tmp_path, rec)}, settings="drain_sec = 1\n"))

@@ -28,15 +28,17 @@ class Schedule:
                 self.after[dep].append(name)
 
     # ------------------------------------------------------------ down
-    def down(self, rt: UnitRuntime, seen: frozenset[str] = frozenset()) -> bool:
+    def down(self, rt: UnitRuntime, seen: frozenset[str] = frozenset(), planned: bool = True) -> bool:
         """Is this unit unavailable to units that require it (not active, or on its way down)?
         A unit whose main process just died counts once its EXITED is in (ms later), so that
-        `failed` is published before its dependents begin to stop."""
-        if rt.state is not S.ACTIVE or rt.goal is Goal.INACTIVE:
+        `failed` is published before its dependents begin to stop. planned=False: only what
+        is not active any more counts, not a goal of `inactive` (a planned stop waits for
+        its dependents, so it takes nothing from under them yet)."""
+        if rt.state is not S.ACTIVE or (planned and rt.goal is Goal.INACTIVE):
             return True
         if rt.name in seen:
             return False
-        return any(self.down(self.units[r], seen | {rt.name}) for r in rt.spec.requires)
+        return any(self.down(self.units[r], seen | {rt.name}, planned) for r in rt.spec.requires)
 
     def must_stop(self, rt: UnitRuntime) -> tuple[Event, str] | None:
         """The event that stops a running unit now, with its reason for people; or None."""
@@ -44,16 +46,17 @@ class Schedule:
             return E.STOP_REQUESTED, "stack stopping" if self.sup.shutting_down else "stopped by request"
         return self.failed_under(rt)
 
-    def failed_under(self, rt: UnitRuntime) -> tuple[Event, str] | None:
+    def failed_under(self, rt: UnitRuntime, planned: bool = True) -> tuple[Event, str] | None:
         """GROUP_DOWN / GROUP_FENCED / DEPENDENCY_DOWN when what rt stands on went down, whatever
-        its goal: also what cuts a drain short (its requests cannot finish any more)."""
+        its goal. With planned=False, what cuts a drain short: a requirement no longer active
+        (its requests cannot finish any more), not one that is only to stop after rt."""
         if rt.spec.worker_group and rt.book.down_reason is not None:
             across = groups.stop_reason(self.sup, rt)  # a group across hosts: fenced, or down elsewhere
             if across is not None:
                 return (E.GROUP_FENCED if across[0] else E.GROUP_DOWN), across[1]
             return E.GROUP_DOWN, f"stopped: worker group {rt.spec.worker_group} is down: {rt.book.down_reason}"
         for r in rt.spec.requires:
-            if self.down(self.units[r]):
+            if self.down(self.units[r], planned=planned):
                 return E.DEPENDENCY_DOWN, f"stopped: requires {self.root_cause(r)}"
         return None
 

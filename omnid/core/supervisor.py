@@ -294,7 +294,7 @@ class Supervisor:
                 self.feed(rt, E.STOP_REQUESTED, f"stopped by request (was failed: {rt.reason})")
                 continue
             if rt.phase is P.DRAINING:  # a failure under a draining unit cuts its drain short
-                why = sched.failed_under(rt)
+                why = sched.failed_under(rt, planned=False)
                 if why is not None:
                     stops.append((rt, why))
                 continue

@@ -20,7 +20,7 @@ import os
 import select
 import signal
 import time
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -98,7 +98,7 @@ class ProcessGroupTarget:
     subreaper spawner carrying the unit's tag, each signalled through a pidfd."""
 
     def __init__(self, unit: str, h: ProcessHandle, spawner_pid: int, token: str | None, *,
-                 mains: Container[int] = (), orphans: list[int] | None = None) -> None:
+                 mains: Container[int] = (), orphans: Callable[[], list[int] | None] | None = None) -> None:
         self.name = unit
         self.h = h
         self.spawner_pid = spawner_pid
@@ -114,11 +114,12 @@ class ProcessGroupTarget:
                             mains=self.mains, children=children, group_ours=ours)
 
     def signal_all(self, sig: int) -> None:
-        # Escaped orphans are looked up once per stop (from the tier's list when given):
-        # the SIGCONT right after the first signal goes to the same ones.
-        if self._extra is None:
-            self._extra = self._residue(members=False, children=self._orphans)
+        # The group first: looking up escaped orphans reads /proc, and must not delay it.
+        # They are looked up once per stop (from the converge's one read of the subreaper's
+        # children when `orphans` gives it): the SIGCONT right after goes to the same ones.
         self.h.signal_group(sig, self.token)
+        if self._extra is None:
+            self._extra = self._residue(members=False, children=self._orphans() if self._orphans else None)
         kill_survivors(self._extra, sig)
 
     def kill_all(self) -> None:

@@ -28,7 +28,6 @@ class Centre(Protocol):
     invariant_violations: list[str]
     stack_signalled: bool
     by_pid: dict[int, tuple[UnitRuntime, ProcessHandle]]
-    tier_orphans: list[int] | None
     executor: Any  # omnid.core.executor.Executor
     monitors: Any  # omnid.core.monitors.Monitors
     schedule: Any  # omnid.core.schedule.Schedule
@@ -37,6 +36,8 @@ class Centre(Protocol):
     def feed(self, rt: UnitRuntime, event: Event, detail: str = "") -> None: ...
 
     def kick(self) -> None: ...
+
+    def tier_orphans(self) -> list[int] | None: ...
 
     def notify_changed(self) -> None: ...
 

@@ -71,7 +71,8 @@ class Supervisor:
             self.units[name] = UnitRuntime(spec=spec, book=book, output=UnitOutput(name, echo=echo_output))
         self.by_pid: dict[int, tuple[UnitRuntime, ProcessHandle]] = {}
         self._early_exits: collections.OrderedDict[int, ExitReport] = collections.OrderedDict()
-        self.tier_orphans: list[int] | None = None  # the subreaper's children, read once per converge
+        self._in_tier = False  # a converge is feeding stops: the subreaper's children are read once for all
+        self._tier_orphans: list[int] | None = None
         self.executor = Executor(self)
         self.executor.drains = Drains(self)
         self.monitors = Monitors(self)
@@ -272,6 +273,15 @@ class Supervisor:
                 rt.proc.reaped.set()
 
     # ------------------------------------------------------------------ converge
+    def tier_orphans(self) -> list[int] | None:
+        """The subreaper's children but the units' mains (escaped orphans, signalled with their
+        unit's group): one read for all the stops of one converge; None outside one."""
+        if not self._in_tier:
+            return None
+        if self._tier_orphans is None:
+            self._tier_orphans = [p for p in linux.children_of(self.spawner.pid) if p not in self.by_pid]
+        return self._tier_orphans
+
     def kick(self) -> None:
         if self.frozen:
             return
@@ -287,31 +297,28 @@ class Supervisor:
             return
         now = time.monotonic()
         sched = self.schedule
-        stops = []
-        for name in reversed(self.order):
-            rt = self.units[name]
-            if rt.state is S.FAILED and rt.phase is P.IDLE and rt.goal is Goal.INACTIVE:
-                self.feed(rt, E.STOP_REQUESTED, f"stopped by request (was failed: {rt.reason})")
-                continue
-            if rt.phase is P.DRAINING:  # a failure under a draining unit cuts its drain short
-                why = sched.failed_under(rt, planned=False)
-                if why is not None:
-                    stops.append((rt, why))
-                continue
-            if rt.state not in (S.STARTING, S.ACTIVE) or rt.dead:
-                continue
-            why = sched.must_stop(rt)
-            if why is not None and not sched.blocked_by_dependents(rt):
-                stops.append((rt, why))
-        if stops:
-            # One read of the subreaper's children for the whole tier: the escaped orphans
-            # that get the stop signal with their unit's group.
-            self.tier_orphans = [p for p in linux.children_of(self.spawner.pid) if p not in self.by_pid]
-            try:
-                for rt, (event, why) in stops:
-                    self.feed(rt, event, why)
-            finally:
-                self.tier_orphans = None
+        # Stops are fed as found (the first signal does not wait for the whole walk): a dependent
+        # is `stopping` when the walk (reverse start order) reaches what it requires.
+        self._in_tier = True
+        try:
+            for name in reversed(self.order):
+                rt = self.units[name]
+                if rt.state is S.FAILED and rt.phase is P.IDLE and rt.goal is Goal.INACTIVE:
+                    self.feed(rt, E.STOP_REQUESTED, f"stopped by request (was failed: {rt.reason})")
+                    continue
+                if rt.phase is P.DRAINING:  # a failure under a draining unit cuts its drain short
+                    why = sched.failed_under(rt, planned=False)
+                    if why is not None:
+                        self.feed(rt, *why)
+                    continue
+                if rt.state not in (S.STARTING, S.ACTIVE) or rt.dead:
+                    continue
+                why = sched.must_stop(rt)
+                if why is not None and not sched.blocked_by_dependents(rt):
+                    self.feed(rt, *why)
+        finally:
+            self._in_tier = False
+            self._tier_orphans = None
         for name in self.order:
             rt = self.units[name]
             ev = sched.start_event(rt, now)

@@ -43,6 +43,9 @@ class SpawnRequest:
     cgroup: str | None = None
     # CPU affinity and memory policy set before exec (omnid.numa.placement_for); None = none.
     placement: Placement | None = None
+    # The program to execve, found in the unit's PATH by the daemon (argv[0] stays as the
+    # unit wrote it); None: the child looks argv[0] up itself.
+    path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,8 @@ def spawn_wire(rid: int, req: SpawnRequest) -> dict:
     """The spawn request as the spawner reads it (see omnid/spawner.py)."""
     return {"op": "spawn", "id": rid, "unit": req.unit, "argv": list(req.argv), "env": req.env, "cwd": req.cwd,
             "user": req.user, "group": req.group, "rlimits": [list(r) for r in req.rlimits], "cgroup": req.cgroup,
-            "placement": req.placement.to_wire() if req.placement is not None else None}
+            "placement": req.placement.to_wire() if req.placement is not None else None,
+            **({"path": req.path} if req.path else {})}
 
 
 MAX_BATCH_FDS = 250  # fds in one datagram (the kernel's SCM_MAX_FD is 253)

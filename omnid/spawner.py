@@ -11,7 +11,8 @@ Protocol, one JSON object per datagram, fds by SCM_RIGHTS:
   daemon -> spawner  {"op": "kill", "pid"}  (a child whose pidfd the daemon could not take)
                      {"op": "spawn", "env": BASE, "batch": [SPAWN, ...]} + [each SPAWN's fds, in order]
                         SPAWN = {"id", "unit", "argv", "env": {changed vars}, "unset": [vars],
-                                 "cwd", "user", "group", "rlimits", "cgroup", "placement", "nfds"}
+                                 "cwd", "user", "group", "rlimits", "cgroup", "placement", "nfds",
+                                 "path"?: the program to execve, else argv[0] through PATH}
                         (a tier's spawns in one datagram: one wake-up, one read, one decode)
                      {"op": "spawn", "id", "unit", "argv", "env", ...} + [stdout, stderr]  (one spawn)
                      {"op": "shutdown"}
@@ -131,9 +132,10 @@ def _child_setup_and_exec(req: dict, out_fd: int, errout_fd: int, err_w: int, sp
                 os._exit(1)
         stage = "exec"
         argv = req["argv"]
-        if "/" in argv[0]:
-            os.execve(argv[0], argv, req["env"])
-        os.execvpe(argv[0], argv, req["env"])
+        path = req.get("path") or argv[0]  # found in PATH by the daemon, or as written
+        if "/" in path:
+            os.execve(path, argv, req["env"])
+        os.execvpe(path, argv, req["env"])
     except BaseException as exc:  # noqa: BLE001 - everything must reach the daemon
         detail = str(exc)
         if stage == "exec" and isinstance(exc, OSError) and exc.filename is None:

@@ -152,3 +152,46 @@ def test_the_spawner_is_named_and_single_threaded_once_it_answers():
             assert linux.thread_count(run.client.pid) == 1
 
     asyncio.run(main())
+
+
+def test_a_bare_program_name_is_found_in_the_units_path_and_argv0_stays_as_written(tmp_path, daemon_factory):
+    """The daemon looks a bare name up in the unit's own PATH (the child then makes one
+    execve instead of walking PATH after the fork); the process still sees argv[0] as the
+    unit wrote it. A relative PATH entry is left to the child, relative to the unit's cwd."""
+    import shutil
+
+    from tests.harness import make_stack
+
+    for d in ("bin", "rel/bin"):
+        (tmp_path / d).mkdir(parents=True)
+        shutil.copy2(shutil.which("sleep"), tmp_path / d / "napper")
+    d = daemon_factory(make_stack({
+        "own": f'exec = ["napper", "1000"]\nenv = {{ PATH = "{tmp_path}/bin:/usr/bin:/bin" }}\n',
+        "rel": f'exec = ["napper", "1000"]\ncwd = "{tmp_path}/rel"\nenv = {{ PATH = "bin:/usr/bin:/bin" }}\n',
+    }))
+    d.wait_all_active()
+    for unit, where in (("own", tmp_path / "bin"), ("rel", tmp_path / "rel" / "bin")):
+        pid = d.unit(unit)["pid"]
+        exe = os.readlink(f"/proc/{pid}/exe")
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        assert exe == str(where / "napper"), (unit, exe, d.units())
+        assert argv[:2] == [b"napper", b"1000"], (unit, argv)
+
+
+def test_the_daemon_hands_the_spawner_the_program_it_found_and_only_when_it_is_sure(tmp_path):
+    import shutil
+
+    from omnid.core.spawning import program_path
+    from omnid.units import load_stack
+    from tests.harness import make_stack
+
+    (tmp_path / "bin").mkdir()
+    shutil.copy2(shutil.which("sleep"), tmp_path / "bin" / "napper")
+    stack = load_stack(make_stack({"a": 'exec = ["napper"]\n', "u": 'exec = ["napper"]\nuser = "nobody"\n'}))
+    a, u = stack.units["a"], stack.units["u"]
+    path = {"PATH": f"{tmp_path}/bin:/usr/bin"}
+    assert program_path("napper", path, a) == str(tmp_path / "bin" / "napper")
+    assert program_path("napper", {"PATH": "/usr/bin:/bin"}, a) is None  # not there: the child says why
+    assert program_path("./napper", path, a) is None  # a slash: exactly as written
+    assert program_path("napper", {"PATH": "bin"}, a) is None  # relative: the unit's cwd decides
+    assert program_path("napper", path, u) is None  # another user's X_OK is not root's

@@ -332,7 +332,10 @@ class Executor:
             rt.reason = f"{rt.reason}; {d.note}" if d.outcome is not policy.Outcome.COUNTED \
                 else f"{rt.reason} ({d.note})"
         if d.outcome is policy.Outcome.AGAIN:
-            asyncio.get_running_loop().call_later(d.delay, sup.kick)
+            if d.delay > 0:
+                asyncio.get_running_loop().call_later(d.delay, sup.kick)
+            else:  # restart_sec = 0: the converge of this turn's end, not a timer's turn after it
+                sup.kick()
 
     def _report_unkillable(self, rt: UnitRuntime, a: ReportUnkillable, ctx: Ctx) -> None:
         w = self.of(rt)

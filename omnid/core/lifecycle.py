@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 class UnitState(str, enum.Enum):
@@ -415,19 +416,30 @@ def _views(state: UnitState, phase: Phase) -> list[View]:
     return out
 
 
+def _outcomes(state: UnitState, phase: Phase, event: Event) -> set[UnitState]:
+    """Every state a cell can lead to (a fixed Step has one; a rule, one per View)."""
+    cell = TABLE[(state, phase, event)]
+    if isinstance(cell, Step):
+        return {cell.state}
+    return {cell(v).state for v in _views(state, phase)}
+
+
 def _derive_legal() -> dict[UnitState, frozenset[UnitState]]:
     legal: dict[UnitState, set[UnitState]] = {s: set() for s in S}
     for (st, ph, ev) in TABLE:
-        for v in _views(st, ph):
-            new = step(v, ev).state
-            if new is not st:
-                legal[st].add(new)
+        legal[st].update(new for new in _outcomes(st, ph, ev) if new is not st)
     legal[S.FAILED].add(S.FAILED)  # failed -> failed: an automatic restart whose spawn failed again
     return {s: frozenset(n) for s, n in legal.items()}
 
 
-# The state changes the table allows: what the invariant check and the docs hold it to.
-LEGAL: dict[UnitState, frozenset[UnitState]] = _derive_legal()
+def __getattr__(name: str) -> Any:
+    # LEGAL: the state changes the table allows, what the invariant check and the docs hold
+    # it to. Derived on first use, not at import: the daemon imports this module before its
+    # first spawn, and the derivation walks every View of every rule.
+    if name == "LEGAL":
+        value = globals()["LEGAL"] = _derive_legal()
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def legal(state: UnitState, phase: Phase, event: Event) -> bool:
@@ -441,12 +453,8 @@ def diagram() -> list[str]:
         for ev in E:
             outs: set[UnitState] = set()
             for ph in P:
-                if (st, ph, ev) not in TABLE:
-                    continue
-                for v in _views(st, ph):
-                    new = step(v, ev).state
-                    if new is not st:
-                        outs.add(new)
+                if (st, ph, ev) in TABLE:
+                    outs.update(new for new in _outcomes(st, ph, ev) if new is not st)
             for new in sorted(outs, key=list(S).index):
                 lines.append(f"{st.value:<9} --{ev.value}--> {new.value}")
     return lines

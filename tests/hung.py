@@ -54,6 +54,14 @@ def _state(pid: int) -> str:
     return st.state if st else "gone"
 
 
+def _wchan(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 @dataclass
 class Hung:
     procs: list[subprocess.Popen]
@@ -183,7 +191,10 @@ def in_d_state() -> Hung:
         raise
     h = Hung([p], [], [unmount])
     try:
-        wait_for(lambda: _state(p.pid) == "D", 10, f"pid {p.pid} in D state")
+        # In D state *in FUSE*: a starting interpreter under load is in D for a moment too
+        # (waiting on the disk for its own pages), and would be taken for the hang.
+        wait_for(lambda: _state(p.pid) == "D" and _wchan(p.pid).startswith("fuse"), 10,
+                 f"pid {p.pid} in D state in FUSE")
         # The interpreter is up once it waits on the mount: py-spy can read it.
         h.members.append(_member(p, "main"))
     except BaseException:

@@ -19,16 +19,15 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from omnid import cgroup as cgroup_mod
 from omnid import clusterwiring, linux, logconfig, settings, startup
-from omnid.capturestore import CaptureStore
 from omnid.control import ControlError, ControlServer, prepare_socket_dir
 from omnid.core import takeover as takeover_mod
 from omnid.core.supervisor import Supervisor
-from omnid.handlers import ControlHandlers
 from omnid.metrics import DaemonMetrics
 from omnid.notify import NotifyServer
 from omnid.ownership import UnsafePath, check_private_dir, raise_nofile_limit
@@ -95,14 +94,14 @@ class Daemon:
         self.reexecs = 0  # how many times this daemon replaced its own program (omnid reexec)
         self.program_since = time.time()  # when this program of the daemon began (a re-exec begins another)
         self.handover_ms: float | None = None  # exec -> every unit taken over, at the last re-exec
-        self.handlers: ControlHandlers | None = None
+        self.handlers: Any = None  # omnid.handlers.ControlHandlers, once the first tier is out
         self.zmq = None  # the zmq.asyncio.Context, made once the first tier is out
         self.health_fd = -1  # a dup of the health listening socket, kept for a re-exec
         self.lock_fd = -1  # the state directory's lock, held for the daemon's life
         self.log_file: str | None = None
         self.reexec: asyncio.Task | None = None  # a re-exec being prepared
         self.handover_error: str | None = None  # why the last re-exec's handover could not be used
-        self.captures = CaptureStore(cfg.state_dir)  # hang forensics (omnid dump)
+        self.captures: Any = None  # omnid.capturestore.CaptureStore (omnid dump), with the handlers
         self.cluster = None  # omnid.cluster.session.ClusterSession with [cluster]
         self._failed_watch: asyncio.Task | None = None
 
@@ -191,14 +190,13 @@ class Daemon:
                               on_pids_changed=self._schedule_state_write,
                               check_invariants=os.environ.get("OMNID_CHECK_INVARIANTS") == "1",
                               gpu=self.gpu, cgroups=self.cgroups)
-        self.sup.executor.captures = self.captures
         if takeover is not None:
+            self._load_handlers()  # units in the middle of a stop may capture at once
             takeover_mod.take_over(self.sup, takeover["supervisor"])
             self.metrics.take_over(takeover["metrics"])
         if self.stack.settings.cluster is not None and not await clusterwiring.open_cluster(self, takeover):
             self.exit_code = 2  # named on stderr and in the log; nothing is started
             self.shutdown_requested.set()
-        self.handlers = ControlHandlers(self)
         health_sock = self._health_socket(takeover)
         if health_sock is not None and not self.shutdown_requested.is_set():
             if takeover is None:
@@ -209,6 +207,7 @@ class Daemon:
                     await asyncio.sleep(0)
             else:
                 takeover_mod.resume(self.sup)
+        self._load_handlers()
         if self.gpu is None:
             from omnid import gpu as gpu_mod
 
@@ -254,6 +253,19 @@ class Daemon:
         self.control.bind()
         # Daemon-wide tasks are supervised: a crash is logged and the task restarted.
         self._control_reader = DaemonTask("control reader", self._start_control_reader).start()
+
+    def _load_handlers(self) -> None:
+        """The control commands and the capture store (hang forensics): imported once the
+        first tier's spawns are out (~25 ms of imports the first child need not wait for)."""
+        if self.handlers is not None:
+            return
+        from omnid.capturestore import CaptureStore
+        from omnid.handlers import ControlHandlers
+
+        self.captures = CaptureStore(self.cfg.state_dir)
+        assert self.sup is not None
+        self.sup.executor.captures = self.captures
+        self.handlers = ControlHandlers(self)
 
     def _health_socket(self, takeover: dict | None) -> socket.socket | None:
         """Bound now with a plain socket, so a busy port fails the daemon before any unit starts
@@ -414,7 +426,9 @@ class Daemon:
         report_crash(asyncio.get_running_loop().create_task(self._reload_on_hup()), "reload on SIGHUP")
 
     async def _reload_on_hup(self) -> None:
-        assert self.handlers is not None
+        if self.handlers is None:  # the first tier is being spawned: nothing read yet can differ
+            log.warning("SIGHUP while the daemon starts: nothing to reload yet; send it again once it is up")
+            return
         try:
             result = await self.handlers.handle_reload({})
         except ControlError as exc:

@@ -189,7 +189,14 @@ def exec_takeover(memfd: int, cfg: Any, log_file: str | None) -> None:
             *(["--cgroup-root", cfg.cgroup_root] if cfg.cgroup_root else []), "--takeover", str(memfd)]
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(argv[0], argv)
+    # An ignored signal stays ignored across exec (a handled one does not): a SIGHUP while
+    # the new program loads is not the default, which would kill it and every unit with it.
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        os.execv(argv[0], argv)
+    except BaseException:
+        signal.signal(signal.SIGHUP, before)
+        raise
 
 
 def fd_alive(fd: int) -> bool:

@@ -36,7 +36,8 @@ def control_of(a: argparse.Namespace) -> str:
 # --------------------------------------------------------------------------- commands
 def cmd_daemon(a: argparse.Namespace) -> int:
     # SIGHUP means reload once the loop runs; until then (the imports, the handover) it must
-    # not kill the daemon. A re-exec arrives with it ignored already (handover.exec_takeover).
+    # not kill the daemon and every unit with it. Set first thing, before the heavy imports;
+    # a re-exec arrives with it ignored already (handover.exec_takeover).
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     from omnid import linux, spawnstart
 

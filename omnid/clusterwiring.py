@@ -10,6 +10,9 @@ from typing import Any
 
 import structlog
 
+from omnid.core import groups
+from omnid.core.lifecycle import Goal, UnitState
+
 log = structlog.get_logger("omnid.daemon")
 
 
@@ -53,10 +56,7 @@ async def watch_failed_for_good(daemon: Any) -> None:
     assert daemon.sup is not None and daemon.shutdown_requested is not None
     found: list[tuple[str, str]] = []
 
-    def failed_for_good() -> bool:
-        from omnid.core import groups
-        from omnid.core.lifecycle import Goal, UnitState
-
+    def failed_for_good() -> bool:  # asked at every state change
         for rt in daemon.sup.units.values():
             if rt.goal is not Goal.ACTIVE or rt.busy:
                 continue

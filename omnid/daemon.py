@@ -19,7 +19,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -37,6 +37,10 @@ from omnid.statefile import StateFile, find_leftovers, kill_leftovers
 from omnid.systemd import ServiceNotifier
 from omnid.tasks import DaemonTask, report_crash
 from omnid.units import Stack, StackInvalid, load_stack
+
+if TYPE_CHECKING:  # imported once the first tier's spawns are out (Daemon._load_handlers)
+    from omnid.capturestore import CaptureStore
+    from omnid.handlers import ControlHandlers
 
 log = structlog.get_logger("omnid.daemon")
 
@@ -94,14 +98,14 @@ class Daemon:
         self.reexecs = 0  # how many times this daemon replaced its own program (omnid reexec)
         self.program_since = time.time()  # when this program of the daemon began (a re-exec begins another)
         self.handover_ms: float | None = None  # exec -> every unit taken over, at the last re-exec
-        self.handlers: Any = None  # omnid.handlers.ControlHandlers, once the first tier is out
+        self.handlers: ControlHandlers | None = None  # once the first tier is out
         self.zmq = None  # the zmq.asyncio.Context, made once the first tier is out
         self.health_fd = -1  # a dup of the health listening socket, kept for a re-exec
         self.lock_fd = -1  # the state directory's lock, held for the daemon's life
         self.log_file: str | None = None
         self.reexec: asyncio.Task | None = None  # a re-exec being prepared
         self.handover_error: str | None = None  # why the last re-exec's handover could not be used
-        self.captures: Any = None  # omnid.capturestore.CaptureStore (omnid dump), with the handlers
+        self.captures: CaptureStore | None = None  # hang forensics (omnid dump), with the handlers
         self.cluster = None  # omnid.cluster.session.ClusterSession with [cluster]
         self._failed_watch: asyncio.Task | None = None
 
@@ -460,8 +464,6 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
     """The `omnid daemon` command. Returns the process exit code. `takeover`: the fd of the
     handover a previous program of this daemon left (omnid reexec). `spawner`: one already
     started (omnid.spawnstart), taken over; else one is started here."""
-    # SIGHUP means reload once the loop runs; before that, it must not kill the daemon.
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     udir = os.path.abspath(units_dir or default_units_dir())
     if takeover is not None:
         from omnid import handover

@@ -134,8 +134,7 @@ def spawn_wire(rid: int, req: SpawnRequest) -> dict:
     """The spawn request as the spawner reads it (see omnid/spawner.py)."""
     return {"op": "spawn", "id": rid, "unit": req.unit, "argv": list(req.argv), "env": req.env, "cwd": req.cwd,
             "user": req.user, "group": req.group, "rlimits": [list(r) for r in req.rlimits], "cgroup": req.cgroup,
-            "placement": req.placement.to_wire() if req.placement is not None else None,
-            **({"path": req.path} if req.path else {})}
+            "placement": req.placement.to_wire() if req.placement is not None else None, "path": req.path}
 
 
 MAX_BATCH_FDS = 250  # fds in one datagram (the kernel's SCM_MAX_FD is 253)

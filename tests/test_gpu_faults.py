@@ -157,7 +157,7 @@ def test_fake_gpu_xid_events_while_no_watch_runs_reach_the_next_watch():
     first = stub(worker0=(0,))
     asyncio.run(run_watch(b, first, lambda: b._events is not None, "the event thread"))
     b.inject_xid(0, 74)  # between two watches (a watch being restarted)
-    time.sleep(0.5)
+    wait_for(lambda: len(b._events._pending) == 1, 5, "the event kept while no watch runs")
     second = stub(worker0=(0,))
     asyncio.run(run_watch(b, second, lambda: second.faults, "the kept event"))
     b.close()

@@ -240,6 +240,9 @@ def test_e2e_reexec_of_a_keeps_ranks_lease_and_generation_then_a_rank_killed_on_
     keys = etcd_keys(bed, prefix)
     before, pid = rankprogress.read(c["progress"]), a.pid
     a.reexec()
+    # A re-exec is refused until the program has reached etcd (it could not renew the lease):
+    # the first new program answers on its control socket a moment before that.
+    wait_for(lambda: a.ok("status")["daemon"]["cluster"]["etcd"] == "ok", 10, "the new program to reach etcd")
     a.reexec()  # twice: the second program hands over what it took over
     st = a.ok("status")["daemon"]
     assert st["pid"] == pid and st["reexecs"] == 2, st

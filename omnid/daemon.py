@@ -177,7 +177,8 @@ class Daemon:
             await self.spawner.attach()
         else:
             sp = takeover["spawner"]
-            self.spawner.adopt(int(sp["pid"]), int(sp["pidfd"]), int(sp["sock"]), int(sp["start_time"]))
+            self.spawner.adopt(int(sp["pid"]), int(sp["pidfd"]), int(sp["sock"]), int(sp["start_time"]),
+                               sp["exec_path"] if isinstance(sp.get("exec_path"), str) else None)
         self.notify = NotifyServer(self.token, self._on_notify, attribute=self._notify_sender,
                                    fd=None if takeover is None else int(takeover["notify"]["fd"]))
         if takeover is not None:

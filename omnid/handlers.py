@@ -80,6 +80,7 @@ class ControlHandlers:
         output.add_counters(units, sup.units)  # what a flooding unit cost
         forensics.add_last_capture(units, d.captures)
         out: dict = {"units": units, "daemon": {"pid": os.getpid(), "spawner_pid": d.spawner.pid,
+                                               "spawner_exec_path": d.spawner.exec_path,
                                                "units_dir": d.cfg.units_dir, "since": sup.started_at,
                                                "shutting_down": sup.shutting_down,
                                                **cgroup_mod.backend(d.cgroups),

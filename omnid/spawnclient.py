@@ -87,6 +87,7 @@ class ProtocolError(ValueError):
 @dataclass(frozen=True)
 class Hello:
     pid: int
+    exec_path: str | None = None  # "compiled" (omnid._spawnc) or "python": how children are set up
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,8 @@ def decode(msg: object) -> SpawnerMessage:
         if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
             raise ProtocolError(f"{op}: field {name!r} must be {typ.__name__}, got {v!r}")
         values.append(v)
+    if op == "hello" and isinstance(msg.get("exec_path"), str):  # optional: older spawners lack it
+        values.append(msg["exec_path"][:32])
     return cls(*values)
 
 
@@ -192,6 +195,8 @@ class SpawnerClient:
         self.pidfd = -1
         self.start_time = 0
         self._hello: asyncio.Future | None = None
+        # How the spawner sets a child up between fork and exec, from its hello (or the handover).
+        self.exec_path: str | None = None
         self._closed = False
         self._queue: list[_Queued] = []  # spawns of this turn of the loop (one datagram at its end)
         self._flush_scheduled = False
@@ -227,10 +232,11 @@ class SpawnerClient:
         log.error("the spawner did not answer; giving it up", pid=self.pid, seconds=timeout)
         linux.pidfd_send_signal(self.pidfd, signal.SIGKILL)  # its death runs _spawner_died
 
-    def adopt(self, pid: int, pidfd: int, sock_fd: int, start_time: int) -> None:
+    def adopt(self, pid: int, pidfd: int, sock_fd: int, start_time: int, exec_path: str | None = None) -> None:
         """Take over the spawner a previous program of this daemon started (omnid reexec):
         same process, same socket; what it said meanwhile is waiting in the socket."""
         self.pid, self.pidfd, self.start_time = pid, pidfd, start_time
+        self.exec_path = exec_path
         for fd in (pidfd, sock_fd):
             os.set_inheritable(fd, False)
         self.sock = socket.socket(fileno=sock_fd)
@@ -241,7 +247,8 @@ class SpawnerClient:
 
     def handover(self) -> dict:
         assert self.sock is not None
-        return {"pid": self.pid, "pidfd": self.pidfd, "sock": self.sock.fileno(), "start_time": self.start_time}
+        return {"pid": self.pid, "pidfd": self.pidfd, "sock": self.sock.fileno(), "start_time": self.start_time,
+                "exec_path": self.exec_path}
 
     def _spawner_died(self) -> None:
         if self._hello_timer is not None:
@@ -335,6 +342,7 @@ class SpawnerClient:
             if fut is not None and not fut.done():
                 fut.set_exception(SpawnError(msg.error, msg.errno or None))
         elif isinstance(msg, Hello):
+            self.exec_path = msg.exec_path
             if self._hello is not None and not self._hello.done():
                 self._hello.set_result(msg.pid)
                 if self._hello_timer is not None:

@@ -27,6 +27,13 @@ Protocol, one JSON object per datagram, fds by SCM_RIGHTS:
 "placement" (omnid/numa.py) is {"cpus": [...], "mempolicy": MODE, "nodes": [...]} or
 {"error": TEXT}: the CPU affinity and memory policy the child sets before exec.
 
+From fork to exec: where omnid/_spawnc.c was compiled (the package's one C extension, built
+when a compiler is there), a vfork child in C does the setup and the exec, and the spawner knows
+the outcome when vfork returns; else a forked Python child does the same steps
+(`_child_setup_and_exec`) and reports through a close-on-exec pipe. The hello says which
+("exec_path": "compiled" | "python"). OMNID_SPAWNER_PYTHON=1 in the spawner's environment
+forces the Python path (a test hook: the tests run both).
+
 Run as: python -m omnid.spawner FD DAEMON_PID. The daemon runs it without site and the
 user's environment (python -I -S -c BOOT, omnid/spawnstart.py): the interpreter is up in a
 few ms and every fork copies a smaller process.
@@ -48,6 +55,11 @@ import sys
 import time
 
 from omnid import linux
+
+try:
+    from omnid import _spawnc
+except ImportError:  # not compiled on this host: the Python path
+    _spawnc = None
 
 MAX_MESSAGE = 1 << 20
 MAX_FDS = 250  # per datagram; the kernel's SCM_MAX_FD is 253
@@ -140,6 +152,8 @@ def _child_setup_and_exec(req: dict, out_fd: int, errout_fd: int, err_w: int, sp
         detail = str(exc)
         if stage == "exec" and isinstance(exc, OSError) and exc.filename is None:
             detail = f"{exc}: {req['argv'][0]!r}"
+        elif isinstance(exc, OSError) and isinstance(exc.filename, bytes):  # execvpe's PATH walk
+            detail = f"[Errno {exc.errno}] {exc.strerror}: {os.fsdecode(exc.filename)!r}"
         # First line: the errno of a failed exec(2) (the restart policy tells a missing
         # program from a passing fault by it), or 0; then the text for people.
         code = exc.errno if stage == "exec" and isinstance(exc, OSError) and exc.errno else 0
@@ -155,6 +169,91 @@ def _placement_args(wire: dict) -> tuple:
     mode = int(wire.get("mempolicy") or 0)
     mask, maxnode = linux.nodemask(wire.get("nodes") or ()) if mode else (None, 0)
     return (tuple(cpus), mode, mask, maxnode)
+
+
+class Refused(Exception):
+    """A spawn that cannot start, found before the fork; the text is the reason."""
+
+
+def _exec_candidates(path: str, env: dict) -> list[str]:
+    """What the child tries to execve, in order: `path` itself if it names a file, else each
+    directory of the unit's PATH (execvpe's search, made before the fork)."""
+    if "/" in path:
+        return [path]
+    dirs = (env.get("PATH") or os.defpath).split(os.pathsep)
+    return [os.path.join(d or ".", path) for d in dirs]
+
+
+def _compiled_args(req: dict, out_fd: int, errout_fd: int, devnull: int, spawner_pid: int,
+                   reset_signals: tuple[int, ...], placement: tuple | None) -> tuple:
+    """omnid._spawnc.spawn's arguments for one request. Names are resolved here, before the
+    fork (Refused: no such user or group); bad values raise ValueError or TypeError."""
+    env = req["env"]
+    argv = req["argv"]
+    path = req.get("path") or argv[0]
+    candidates = [os.fsencode(c) for c in _exec_candidates(path, env)]
+    envp = []
+    for key, value in env.items():
+        if not key or "=" in key:
+            raise ValueError(f"illegal environment variable name {key!r}")
+        envp.append(os.fsencode(f"{key}={value}"))
+    rlimits = [(int(res), int(soft), int(hard)) for res, soft, hard in req.get("rlimits") or ()]
+    cgroup = req.get("cgroup")
+    procs = os.fsencode(os.path.join(cgroup, "cgroup.procs")) if cgroup else None
+    cpus, mode, mask, maxnode = placement if placement is not None else ((), 0, None, 0)
+    gid = uid = -1
+    groups = None
+    if req.get("group"):
+        try:
+            gid = grp.getgrnam(req["group"]).gr_gid
+        except KeyError as exc:
+            raise Refused(f"group {req['group']!r} failed: {exc}") from None
+    if req.get("user"):
+        try:
+            pw = pwd.getpwnam(req["user"])
+        except KeyError as exc:
+            raise Refused(f"user {req['user']!r} failed: {exc}") from None
+        if gid < 0:
+            gid = pw.pw_gid
+        groups = os.getgrouplist(pw.pw_name, gid)
+        uid = pw.pw_uid
+    return (candidates, [os.fsencode(a) for a in argv], envp, out_fd, errout_fd, devnull, spawner_pid,
+            reset_signals, rlimits, procs, list(cpus) or None, mode, bytes(mask) if mode else b"",
+            maxnode, True, os.fsencode(req["cwd"]) if req.get("cwd") else None, gid, groups, uid)
+
+
+def _compiled_failure(req: dict, stage: int, err: int, index: int, candidates: list[str]) -> tuple[int, str]:
+    """(exec's errno or 0, the text) for a compiled child that failed at `stage`: the words
+    the Python path uses for the same step, so a reason reads the same on either path."""
+    c = _spawnc
+    why = f"[Errno {err}] {os.strerror(err)}" if err else "failed"
+    if stage == c.ST_EXEC:
+        return err, f"exec failed: {why}: {candidates[index] if index < len(candidates) else req['argv'][0]!r}"
+    if stage == c.ST_RLIMIT:
+        res = (req.get("rlimits") or [[index]])[index][0]
+        if err == errno.EPERM:
+            why = "not allowed to raise maximum limit"
+        return 0, f"setrlimit({res}) failed: {why}"
+    if stage == c.ST_CGROUP:
+        procs = os.path.join(req["cgroup"], "cgroup.procs")
+        return 0, f"join cgroup {req['cgroup']} failed: {why}: {procs!r}"
+    if stage == c.ST_AFFINITY:
+        return 0, f"sched_setaffinity(CPUs {req['placement']['cpus']}) failed: {why}"
+    if stage == c.ST_MEMPOLICY:
+        placement = req["placement"]
+        return 0, f"set_mempolicy(mode {placement['mempolicy']}, nodes {placement['nodes']}) failed: {why}"
+    if stage == c.ST_CHDIR:
+        return 0, f"chdir {req['cwd']!r} failed: {why}: {req['cwd']!r}"
+    if stage == c.ST_GROUP:
+        what = f"group {req['group']!r}" if req.get("group") else f"user {req['user']!r}"
+        return 0, f"{what} failed: {why}"
+    if stage == c.ST_USER:
+        return 0, f"user {req['user']!r} failed: {why}"
+    if stage == c.ST_ORPHANED:
+        return 0, "the spawner died before PR_SET_PDEATHSIG was armed"
+    names = {c.ST_SETSID: "setsid", c.ST_PDEATHSIG: "prctl(PR_SET_PDEATHSIG)", c.ST_SIGNALS: "signal reset",
+             c.ST_STDIO: "stdio", c.ST_PDEATHSIG_AGAIN: "prctl(PR_SET_PDEATHSIG) after the uid/gid switch"}
+    return 0, f"{names.get(stage, f'stage {stage}')} failed: {why}"
 
 
 class Launch:
@@ -185,6 +284,7 @@ class Spawner:
         self.outbox: list[tuple[dict, int]] = []
         self.reset_signals: tuple[int, ...] = ()
         self.devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+        self.compiled = _spawnc is not None and os.environ.get("OMNID_SPAWNER_PYTHON") != "1"
 
     # -- messages -------------------------------------------------------------
     def send(self, msg: dict, fds: list[int] | None = None) -> None:
@@ -253,6 +353,9 @@ class Spawner:
         for extra in fds[2:]:
             os.close(extra)
         placement = req.get("placement")
+        if self.compiled:
+            self.spawn_compiled(req, out_fd, errout_fd, placement)
+            return
         err_r = err_w = -1
         try:
             if isinstance(placement, dict) and placement.get("error"):
@@ -281,6 +384,53 @@ class Spawner:
                                      linux.start_time_of(pid) or 0, err_r)
         self.by_errfd[err_r] = pid
         self.poller.register(err_r, select.POLLIN)
+
+    def spawn_compiled(self, req: dict, out_fd: int, errout_fd: int, placement) -> None:
+        """One spawn through omnid._spawnc: when it returns the child has exec'd or failed, so
+        its "spawned" (with the pidfd) or "spawn_failed" goes out in this turn's answer. A
+        failed child exits 127 and is reported as an adopted exit when reaped, as on the
+        Python path."""
+        try:
+            if isinstance(placement, dict) and placement.get("error"):
+                raise ValueError(f"NUMA placement: {placement['error']}")
+            args = _placement_args(placement) if isinstance(placement, dict) else None
+            plan = _compiled_args(req, out_fd, errout_fd, self.devnull, self.pid, self.reset_signals, args)
+        except Refused as exc:
+            self._refuse(req, out_fd, errout_fd, str(exc))
+            return
+        except (ValueError, TypeError, OverflowError) as exc:
+            self._refuse(req, out_fd, errout_fd, f"spawn refused: {exc}")
+            return
+        try:
+            assert_single_threaded()
+            pid, stage, err, index = _spawnc.spawn(*plan)
+        except (OSError, SpawnerInvariantError) as exc:
+            pid, error = -1, f"fork failed: {exc}"
+        except (ValueError, TypeError, OverflowError) as exc:
+            pid, error = -1, f"spawn refused: {exc}"
+        os.close(out_fd)
+        if errout_fd != out_fd:
+            os.close(errout_fd)
+        if pid < 0:
+            self.send({"op": "spawn_failed", "id": req["id"], "error": error, "errno": 0})
+            return
+        rid = req["id"]
+        if stage != _spawnc.ST_OK:
+            code, text = _compiled_failure(req, stage, err, index, [os.fsdecode(c) for c in plan[0]])
+            self.outbox.append(({"op": "spawn_failed", "id": rid, "pid": pid, "error": text, "errno": code}, -1))
+            return
+        # Open the pidfd before anything can reap the child: the pid is pinned (at worst a
+        # zombie) until this loop calls waitpid.
+        pidfd = linux.pidfd_open(pid)
+        self.units[pid] = req.get("unit", "?")
+        self.outbox.append(({"op": "spawned", "id": rid, "pid": pid, "start_time": linux.start_time_of(pid) or 0},
+                            pidfd))
+
+    def _refuse(self, req: dict, out_fd: int, errout_fd: int, text: str) -> None:
+        """A spawn that never forked: its fds closed, its failure told at once (as the Python path)."""
+        for fd in {out_fd, errout_fd}:
+            os.close(fd)
+        self.send({"op": "spawn_failed", "id": req["id"], "error": text, "errno": 0})
 
     def exec_report(self, err_r: int) -> None:
         """The child's close-on-exec error pipe is readable: an error text, or EOF (exec done)."""
@@ -388,7 +538,7 @@ class Spawner:
         linux.set_pdeathsig(signal.SIGHUP)
         if os.getppid() != self.daemon_pid:
             return self.cleanup()  # the daemon died before PDEATHSIG was armed
-        self.send({"op": "hello", "pid": self.pid})
+        self.send({"op": "hello", "pid": self.pid, "exec_path": "compiled" if self.compiled else "python"})
         self.poller.register(self.sock, select.POLLIN)
         self.poller.register(self.wake_r, select.POLLIN)
         # Everything so far lives as long as we do: out of the collector's way, so that no

@@ -1,0 +1,226 @@
+"""The spawner's two paths from fork to exec (omnid/spawner.py): the compiled one
+(omnid/_spawnc.c, a vfork child in C) and the Python one (a forked child running Python).
+Each child is checked in /proc, as the kernel sees it; the failures must read the same on
+both paths, word for word, since operators and the restart policy read them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pwd
+import resource
+import shutil
+import signal
+import stat
+from pathlib import Path
+
+import pytest
+
+from omnid import linux, numa
+from omnid.spawnclient import SpawnerClient, SpawnError, SpawnRequest
+from tests.harness import wait_for
+
+try:
+    from omnid import _spawnc
+except ImportError:
+    _spawnc = None
+
+PATHS = ("compiled", "python")
+
+
+def _use(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if path == "python":
+        monkeypatch.setenv("OMNID_SPAWNER_PYTHON", "1")
+    else:
+        monkeypatch.delenv("OMNID_SPAWNER_PYTHON", raising=False)
+        if _spawnc is None:
+            pytest.skip("omnid._spawnc is not built here (no C compiler at install): only the Python path runs")
+
+
+def status_of(pid: int) -> dict[str, str]:
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        out[key] = value.strip()
+    return out
+
+
+def limits_of(pid: int) -> dict[str, tuple[str, str]]:
+    out = {}
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines()[1:]:
+        parts = line[26:].split()
+        out[line[:26].strip()] = (parts[0], parts[1])
+    return out
+
+
+class Spawner:
+    """A real spawner on our loop; every child killed, every fd closed at the end."""
+
+    def __init__(self) -> None:
+        self.exits: list = []
+        self.client = SpawnerClient(on_exit=self.exits.append, on_gone=lambda: None)
+        self.fds: list[int] = []
+
+    async def __aenter__(self) -> Spawner:
+        self.client.launch()
+        await self.client.attach()
+        await self.client.wait_ready(10)
+        return self
+
+    def pipe(self) -> tuple[int, int]:
+        r, w = os.pipe2(os.O_CLOEXEC)
+        self.fds += [r, w]
+        return r, w
+
+    async def outcomes(self, reqs: list[SpawnRequest]) -> list:
+        """Each request's Spawned or SpawnError, the children killed once looked at by `look`."""
+        futs = []
+        for req in reqs:
+            _r, w = self.pipe()
+            futs.append(self.client.spawn(req, w))
+        return await asyncio.gather(*futs, return_exceptions=True)
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.shutdown()
+        for fd in self.fds:
+            os.close(fd)
+
+
+def _kill(spawned) -> None:
+    for sp in spawned:
+        if not isinstance(sp, BaseException):
+            linux.pidfd_send_signal(sp.pidfd, signal.SIGKILL)
+            os.close(sp.pidfd)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_child_is_set_up_the_same_on_either_path_as_the_kernel_sees_it(path, monkeypatch, tmp_path):
+    _use(path, monkeypatch)
+    root = os.geteuid() == 0
+    nobody = pwd.getpwnam("nobody") if root else None
+    placement = numa.Placement(nodes=(0,), cpus=(0,), memory=numa.MPOL_PREFERRED, mem_nodes=(0,), source="test")
+
+    async def main() -> None:
+        async with Spawner() as run:
+            assert run.client.exec_path == path
+            out_r, out_w = run.pipe()
+            err_r, err_w = run.pipe()
+            req = SpawnRequest(unit="u", argv=("sh", "-c", "echo out; echo err >&2; exec sleep 1000"),
+                               env={"PATH": "/usr/bin:/bin", "MARK": "x"}, cwd=str(tmp_path),
+                               rlimits=((resource.RLIMIT_NOFILE, 512, 1024), (resource.RLIMIT_CORE, 0, 0)),
+                               placement=placement, user="nobody" if root else None,
+                               path=shutil.which("sh", path="/usr/bin:/bin"))
+            sp = await run.client.spawn(req, out_w, err_w)
+            try:
+                assert os.read(out_r, 100) == b"out\n" and os.read(err_r, 100) == b"err\n"
+                wait_for(lambda: Path(f"/proc/{sp.pid}/exe").resolve().name == "sleep", 10, "the unit exec'd sleep")
+                st = linux.read_stat(sp.pid)
+                assert st.ppid == run.client.pid and st.sid == sp.pid and st.pgid == sp.pid, st
+                status = status_of(sp.pid)
+                glibc = (1 << 31) | (1 << 32)  # glibc's own signals: nobody can set them
+                assert int(status["SigIgn"], 16) & ~glibc == 0 and int(status["SigBlk"], 16) == 0, status
+                assert int(status["SigCgt"], 16) == 0, status
+                assert sorted(os.listdir(f"/proc/{sp.pid}/fd")) == ["0", "1", "2"]
+                assert os.readlink(f"/proc/{sp.pid}/fd/0") == "/dev/null"
+                assert os.readlink(f"/proc/{sp.pid}/cwd") == str(tmp_path)
+                limits = limits_of(sp.pid)
+                assert limits["Max open files"] == ("512", "1024") and limits["Max core file size"] == ("0", "0")
+                assert status["Cpus_allowed_list"] == "0", status
+                assert numa.memory_policy_of(Path(f"/proc/{sp.pid}/numa_maps").read_text()) == "prefer:0"
+                assert linux.read_environ_var(sp.pid, "MARK") == "x"
+                if root:
+                    assert status["Uid"].split()[0] == str(nobody.pw_uid), status
+                    assert status["Gid"].split()[0] == str(nobody.pw_gid), status
+                    assert set(status["Groups"].split()) == {str(g) for g in os.getgrouplist("nobody", nobody.pw_gid)}
+                # Parent-death signal: the spawner gone, the unit goes with it.
+                signal.pidfd_send_signal(run.client.pidfd, signal.SIGKILL)
+                wait_for(lambda: linux.read_stat(sp.pid) is None
+                         or linux.read_stat(sp.pid).state == "Z", 10, "the unit died with its spawner")
+            finally:
+                _kill([sp])
+
+    asyncio.run(main())
+
+
+def _failing(tmp_path: Path) -> list[tuple[str, SpawnRequest]]:
+    plain = tmp_path / "plain"
+    plain.write_text("not a program\n")  # no exec bit: EACCES
+    garbage = tmp_path / "garbage"
+    garbage.write_bytes(b"\x00\x01\x02 not ELF, no #!\n")
+    garbage.chmod(stat.S_IRWXU)  # exec bit, no format: ENOEXEC
+    env = {"PATH": f"{tmp_path / 'a'}:{tmp_path / 'b'}"}
+    cases = [
+        ("missing program", SpawnRequest(unit="m", argv=("/nonexistent/omnid-prog",), env=env)),
+        ("no exec bit", SpawnRequest(unit="p", argv=(str(plain),), env=env)),
+        ("no format", SpawnRequest(unit="g", argv=(str(garbage),), env=env)),
+        ("not in PATH", SpawnRequest(unit="n", argv=("omnid-no-such-prog",), env=env)),
+        ("missing cwd", SpawnRequest(unit="c", argv=("/bin/true",), env=env, cwd="/nonexistent/dir")),
+        ("rlimit above the kernel's", SpawnRequest(unit="r", argv=("/bin/true",), env=env,
+                                                    rlimits=((resource.RLIMIT_NOFILE, 1 << 30, 1 << 30),))),
+        ("unknown user", SpawnRequest(unit="us", argv=("/bin/true",), env=env, user="omnid-no-such-user")),
+        ("unknown group", SpawnRequest(unit="gr", argv=("/bin/true",), env=env, group="omnid-no-such-group")),
+    ]
+    return cases
+
+
+def test_every_failure_reads_the_same_on_either_path(monkeypatch, tmp_path):
+    if _spawnc is None:
+        pytest.skip("omnid._spawnc is not built here (no C compiler at install): nothing to compare")
+    seen: dict[str, list[tuple[str, int | None]]] = {}
+    for path in PATHS:
+        _use(path, monkeypatch)
+
+        async def main(path: str = path) -> list:
+            async with Spawner() as run:
+                assert run.client.exec_path == path
+                got = await run.outcomes([req for _name, req in _failing(tmp_path)])
+                _kill(got)
+                return got
+
+        got = asyncio.run(main())
+        seen[path] = []
+        for (name, _req), outcome in zip(_failing(tmp_path), got):
+            assert isinstance(outcome, SpawnError), f"{path}: {name}: spawned {outcome}"
+            seen[path].append((str(outcome), outcome.errno))
+    for (name, _req), compiled, python in zip(_failing(tmp_path), seen["compiled"], seen["python"]):
+        assert compiled == python, f"{name}: compiled {compiled} != python {python}"
+    texts = dict(zip((name for name, _r in _failing(tmp_path)), seen["compiled"]))
+    # The restart policy tells a program that cannot run from a passing fault by exec's errno.
+    missing = "exec failed: [Errno 2] No such file or directory: '/nonexistent/omnid-prog'"
+    assert texts["missing program"] == (missing, 2), texts
+    assert texts["no exec bit"][1] == 13 and texts["no format"][1] == 8, texts
+    not_found = f"exec failed: [Errno 2] No such file or directory: '{tmp_path / 'b' / 'omnid-no-such-prog'}'"
+    assert texts["not in PATH"] == (not_found, 2), texts
+    assert texts["missing cwd"][0].startswith("chdir '/nonexistent/dir' failed: [Errno 2]"), texts
+    assert texts["rlimit above the kernel's"][0] == (f"setrlimit({resource.RLIMIT_NOFILE}) failed: "
+                                                     "not allowed to raise maximum limit"), texts
+    assert "omnid-no-such-user" in texts["unknown user"][0] and texts["unknown user"][1] is None, texts
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_bare_program_name_is_found_through_the_units_path(path, monkeypatch, tmp_path):
+    _use(path, monkeypatch)
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    (first / "prog").write_text("not executable\n")  # EACCES here: execvpe goes on to b
+    (second / "prog").symlink_to(shutil.which("sleep"))
+
+    async def main() -> None:
+        async with Spawner() as run:
+            [sp] = await run.outcomes([SpawnRequest(unit="x", argv=("prog", "1000"),
+                                                    env={"PATH": f"{first}:{second}"})])
+            try:
+                assert not isinstance(sp, BaseException), sp
+                assert Path(f"/proc/{sp.pid}/exe").resolve() == Path(shutil.which("sleep")).resolve()
+            finally:
+                _kill([sp])
+
+    asyncio.run(main())
+
+
+def test_the_compiled_path_is_built_wherever_a_c_compiler_is():
+    # A host with a compiler that still runs the Python path lost 2 ms a spawn without a word.
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this host: the Python path is the expected one")
+    assert _spawnc is not None, "a C compiler is here but omnid._spawnc was not built: see the pip install's output"

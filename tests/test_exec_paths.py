@@ -12,6 +12,7 @@ import resource
 import shutil
 import signal
 import stat
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -223,4 +224,6 @@ def test_the_compiled_path_is_built_wherever_a_c_compiler_is():
     # A host with a compiler that still runs the Python path lost 2 ms a spawn without a word.
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler on this host: the Python path is the expected one")
+    if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        pytest.skip("no Python headers for this interpreter: the Python path is the expected one")
     assert _spawnc is not None, "a C compiler is here but omnid._spawnc was not built: see the pip install's output"

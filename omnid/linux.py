@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import array
 import ctypes
+import fcntl
 import os
 from collections.abc import Callable
+import select
 import signal
 import socket
+import struct
 from typing import NamedTuple
 
 PR_SET_PDEATHSIG = 1
@@ -84,6 +87,38 @@ def recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, lis
 
 def pidfd_open(pid: int) -> int:
     return os.pidfd_open(pid)
+
+
+def pidfd_exited(pidfd: int) -> bool:
+    """Whether the process behind `pidfd` has exited (its pidfd polls readable)."""
+    return bool(select.select([pidfd], [], [], 0)[0])
+
+
+# ioctl(PIDFD_GET_INFO) (Linux 6.13): _IOWR(0xFF, 11, struct pidfd_info) at its first size, 64
+# bytes; exit_code at offset 60 once PIDFD_INFO_EXIT (Linux 6.15) is in the mask it returns.
+PIDFD_GET_INFO = 0xC040FF0B
+PIDFD_INFO_EXIT = 1 << 3
+_pidfd_info = True  # until the kernel says it has no PIDFD_GET_INFO
+
+
+def pidfd_exit_status(pidfd: int) -> int | None:
+    """The wait status of the process behind `pidfd` once its parent has reaped it (the kernel
+    keeps it with the pid), read by anyone holding the pidfd; None while it is not reaped, or
+    where the kernel cannot tell (before 6.15: asked once, then never again)."""
+    global _pidfd_info
+    if not _pidfd_info:
+        return None
+    buf = bytearray(64)
+    struct.pack_into("Q", buf, 0, PIDFD_INFO_EXIT)
+    try:
+        fcntl.ioctl(pidfd, PIDFD_GET_INFO, buf)
+    except OSError as exc:
+        if exc.errno in (25, 22, 95):  # ENOTTY, EINVAL, EOPNOTSUPP: no PIDFD_GET_INFO here
+            _pidfd_info = False
+        return None
+    if not struct.unpack_from("Q", buf, 0)[0] & PIDFD_INFO_EXIT:
+        return None  # not reaped yet
+    return struct.unpack_from("i", buf, 60)[0]
 
 
 def pidfd_if(pid: int, proof: Callable[[], bool]) -> int | None:

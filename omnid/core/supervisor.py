@@ -71,6 +71,10 @@ class Supervisor:
             self.units[name] = UnitRuntime(spec=spec, book=book, output=UnitOutput(name, echo=echo_output))
         self.by_pid: dict[int, tuple[UnitRuntime, ProcessHandle]] = {}
         self._early_exits: collections.OrderedDict[int, ExitReport] = collections.OrderedDict()
+        # Exits read from the pidfd (the kernel keeps a reaped pid's status): the spawner's
+        # report of each, still on its way, is dropped when it comes. It always comes before
+        # any spawn that could reuse the pid (the spawner reports the reap first).
+        self._exits_read: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._in_tier = False  # a converge is feeding stops: the subreaper's children are read once for all
         self._tier_orphans: list[int] | None = None
         self.executor = Executor(self)
@@ -187,7 +191,8 @@ class Supervisor:
         rt.last_pgid = h.pgid
         self.by_pid[h.pid] = (rt, h)
         early = self._early_exits.pop(h.pid, None)
-        if early is not None:
+        if early is not None and linux.pidfd_exited(h.pidfd):
+            # (A report kept for a pid that lives again is an earlier process's: dropped.)
             self.on_exit_report(early)
         for fields in self.monitors.early.pop(h.pgid, []):
             self.monitors.apply(rt, fields)
@@ -208,6 +213,13 @@ class Supervisor:
             return
         rt.ready = False  # /health turns 503 now, before the failure is recorded
         self.notify_changed()
+        if not h.reaped.is_set() and (status := linux.pidfd_exit_status(h.pidfd)) is not None:
+            # The spawner reaped it already: its status is here, without waiting for the report.
+            h.exit_status = status
+            h.reaped.set()
+            self._exits_read[h.pid] = None
+            if len(self._exits_read) > 4096:
+                self._exits_read.popitem(last=False)
         if h.reaped.is_set():
             self.feed(rt, E.EXITED)
         else:  # the spawner's exit report is on its way; without it in 2 s: status unknown
@@ -221,6 +233,9 @@ class Supervisor:
             self.feed(rt, E.EXITED)
 
     def on_exit_report(self, rep: ExitReport) -> None:
+        if rep.pid in self._exits_read:
+            del self._exits_read[rep.pid]
+            return  # read from the pidfd already
         entry = self.by_pid.get(rep.pid)
         if entry is None:
             if not rep.adopted:  # the exit of a spawn whose reply is still on its way

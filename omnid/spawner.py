@@ -378,7 +378,12 @@ class Spawner:
             os.close(errout_fd)
         # Open the pidfd before anything can reap the child: the pid is pinned
         # (at worst a zombie) until this loop calls waitpid.
-        pidfd = linux.pidfd_open(pid)
+        pidfd = self._pidfd_or_kill(pid)
+        if pidfd < 0:
+            os.close(err_r)
+            self.outbox.append(({"op": "spawn_failed", "id": req["id"], "pid": pid, "errno": 0,
+                                 "error": "pidfd_open failed (out of fds?): the child was killed"}, -1))
+            return
         os.set_blocking(err_r, False)
         self.launching[pid] = Launch(req["id"], req.get("unit", "?"), pid, pidfd,
                                      linux.start_time_of(pid) or 0, err_r)
@@ -421,10 +426,28 @@ class Spawner:
             return
         # Open the pidfd before anything can reap the child: the pid is pinned (at worst a
         # zombie) until this loop calls waitpid.
-        pidfd = linux.pidfd_open(pid)
+        pidfd = self._pidfd_or_kill(pid)
+        if pidfd < 0:
+            self.outbox.append(({"op": "spawn_failed", "id": rid, "pid": pid, "errno": 0,
+                                 "error": "pidfd_open failed (out of fds?): the child was killed"}, -1))
+            return
         self.units[pid] = req.get("unit", "?")
         self.outbox.append(({"op": "spawned", "id": rid, "pid": pid, "start_time": linux.start_time_of(pid) or 0},
                             pidfd))
+
+    def _pidfd_or_kill(self, pid: int) -> int:
+        """A pidfd for our unreaped child `pid`, or -1 with the child (and its session's group:
+        it called setsid) SIGKILLed: nothing may run that the daemon cannot hold. The pid is
+        still ours to signal: only this loop reaps."""
+        try:
+            return linux.pidfd_open(pid)
+        except OSError:
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            return -1
 
     def _refuse(self, req: dict, out_fd: int, errout_fd: int, text: str) -> None:
         """A spawn that never forked: its fds closed, its failure told at once (as the Python path)."""

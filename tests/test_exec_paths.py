@@ -6,12 +6,15 @@ both paths, word for word, since operators and the restart policy read them."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import pwd
 import resource
 import shutil
 import signal
 import stat
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -227,3 +230,38 @@ def test_the_compiled_path_is_built_wherever_a_c_compiler_is():
     if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
         pytest.skip("no Python headers for this interpreter: the Python path is the expected one")
     assert _spawnc is not None, "a C compiler is here but omnid._spawnc was not built: see the pip install's output"
+
+
+CHILD_WITHOUT_PIDFD = r"""
+import errno, json, os, signal, socket, sys, time
+from omnid import linux, spawner
+ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+sp = spawner.Spawner(theirs, os.getppid())
+sp.reset_signals = ()
+def no_fds(pid):
+    raise OSError(errno.EMFILE, "Too many open files")
+linux.pidfd_open = no_fds
+r, w = os.pipe2(os.O_CLOEXEC)
+sp.spawn({"id": 1, "unit": "x", "argv": ["/bin/sleep", "1000"], "env": {}, "path": "/bin/sleep"}, [w])
+deadline = time.monotonic() + 10
+while sp.launching and time.monotonic() < deadline:  # the Python path: its exec report
+    for fd in list(sp.by_errfd):
+        sp.exec_report(fd)
+sp.flush()
+pid, status = os.wait()
+print(json.dumps({"answer": json.loads(ours.recv(65536)), "pid": pid,
+                  "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None}))
+"""
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_child_the_spawner_cannot_hold_by_pidfd_is_killed_and_reported(path, monkeypatch):
+    # Out of fds at pidfd_open: the child must not run on unheld, and the daemon must hear why.
+    _use(path, monkeypatch)
+    out = subprocess.run([sys.executable, "-c", CHILD_WITHOUT_PIDFD], capture_output=True, text=True, check=False,
+                         timeout=60, env=dict(os.environ), cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    events = got["answer"]["events"]
+    assert [e["op"] for e in events] == ["spawn_failed"] and "pidfd_open failed" in events[0]["error"], got
+    assert got["signal"] == signal.SIGKILL and got["pid"] == events[0]["pid"], got

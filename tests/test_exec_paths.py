@@ -22,7 +22,7 @@ import pytest
 
 from omnid import linux, numa
 from omnid.spawnclient import SpawnerClient, SpawnError, SpawnRequest
-from tests.harness import wait_for
+from tests.harness import make_stack, wait_for
 
 try:
     from omnid import _spawnc
@@ -265,3 +265,15 @@ def test_a_child_the_spawner_cannot_hold_by_pidfd_is_killed_and_reported(path, m
     events = got["answer"]["events"]
     assert [e["op"] for e in events] == ["spawn_failed"] and "pidfd_open failed" in events[0]["error"], got
     assert got["signal"] == signal.SIGKILL and got["pid"] == events[0]["pid"], got
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_status_says_which_path_the_spawner_takes_and_a_re_exec_keeps_it(path, monkeypatch, daemon_factory):
+    _use(path, monkeypatch)
+    env = {"OMNID_SPAWNER_PYTHON": "1"} if path == "python" else {}
+    d = daemon_factory(make_stack({"a": 'exec = ["sleep", "1000"]\n'}), env=env)
+    pid = d.wait_state("a", "active")["pid"]
+    assert d.ok("status")["daemon"]["spawner_exec_path"] == path
+    d.reexec()
+    st = d.ok("status")
+    assert st["daemon"]["spawner_exec_path"] == path and d.unit("a")["pid"] == pid, st["daemon"]

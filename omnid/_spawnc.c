@@ -63,7 +63,7 @@ struct plan {
     char **envp;
     int out_fd, err_fd, devnull;
     pid_t spawner_pid;
-    int *reset;
+    long *reset;
     Py_ssize_t nreset;
     int *rl_res;
     struct rlimit *rl;
@@ -127,8 +127,8 @@ static void __attribute__((noreturn, noinline)) child_exec(const struct plan *p,
     dfl.sa_handler = SIG_DFL;
     sigemptyset(&dfl.sa_mask);
     for (Py_ssize_t i = 0; i < p->nreset; i++)
-        if (sigaction(p->reset[i], &dfl, NULL) < 0)
-            fail(o, ST_SIGNALS, errno, p->reset[i]);
+        if (sigaction((int)p->reset[i], &dfl, NULL) < 0)
+            fail(o, ST_SIGNALS, errno, (int)p->reset[i]);
     sigset_t none;
     sigemptyset(&none);
     if (sigprocmask(SIG_SETMASK, &none, NULL) < 0)
@@ -328,13 +328,8 @@ static PyObject *spawn(PyObject *self, PyObject *args)
     p.devnull = devnull;
     p.spawner_pid = spawner_pid;
 
-    if (ints(&a, reset, "reset_signals", &values, &n) < 0)
+    if (ints(&a, reset, "reset_signals", &p.reset, &p.nreset) < 0)
         goto done;
-    if (!(p.reset = arena_alloc(&a, (size_t)(n ? n : 1) * sizeof(int))))
-        goto done;
-    for (Py_ssize_t i = 0; i < n; i++)
-        p.reset[i] = (int)values[i];
-    p.nreset = n;
 
     PyObject *rl_fast = PySequence_Fast(rlimits, "rlimits");
     if (!rl_fast)

@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from omnid import linux, numa
-from omnid.spawnclient import SpawnerClient, SpawnError, SpawnRequest
+from omnid.spawnclient import SpawnError, SpawnRequest
 from tests.harness import make_stack, wait_for
+from tests.test_spawner import Run
 
 try:
     from omnid import _spawnc
@@ -57,37 +58,22 @@ def limits_of(pid: int) -> dict[str, tuple[str, str]]:
     return out
 
 
-class Spawner:
-    """A real spawner on our loop; every child killed, every fd closed at the end."""
-
-    def __init__(self) -> None:
-        self.exits: list = []
-        self.client = SpawnerClient(on_exit=self.exits.append, on_gone=lambda: None)
-        self.fds: list[int] = []
+class Spawner(Run):
+    """test_spawner's real spawner on our loop, once it said hello (its path), and many
+    requests' outcomes at once."""
 
     async def __aenter__(self) -> Spawner:
-        self.client.launch()
-        await self.client.attach()
+        await super().__aenter__()
         await self.client.wait_ready(10)
         return self
 
-    def pipe(self) -> tuple[int, int]:
-        r, w = os.pipe2(os.O_CLOEXEC)
-        self.fds += [r, w]
-        return r, w
-
     async def outcomes(self, reqs: list[SpawnRequest]) -> list:
-        """Each request's Spawned or SpawnError, the children killed once looked at by `look`."""
+        """Each request's Spawned or SpawnError."""
         futs = []
         for req in reqs:
             _r, w = self.pipe()
             futs.append(self.client.spawn(req, w))
         return await asyncio.gather(*futs, return_exceptions=True)
-
-    async def __aexit__(self, *exc) -> None:
-        await self.client.shutdown()
-        for fd in self.fds:
-            os.close(fd)
 
 
 def _kill(spawned) -> None:

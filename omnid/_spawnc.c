@@ -96,12 +96,48 @@ static void __attribute__((noreturn)) fail(volatile struct outcome *o, int stage
     _exit(127);
 }
 
+/* Test hook (_spawnc._walk_fds(True)): close by walking /proc/self/fd, as on a kernel
+ * before 5.9 without close_range. */
+static int force_fd_walk;
+
+struct dirent64_raw {
+    unsigned long long d_ino;
+    long long d_off;
+    unsigned short d_reclen;
+    unsigned char d_type;
+    char d_name[];
+};
+
+/* Close every fd from `lowest` up. close_range (Linux 5.9) where it is; else the fds that are
+ * open, read from /proc/self/fd with getdents64 into a buffer on the stack (no malloc in a
+ * vfork child); else, without /proc, every number below RLIMIT_NOFILE. */
 static void close_from(int lowest)
 {
 #ifdef SYS_close_range
-    if (syscall(SYS_close_range, (unsigned int)lowest, ~0U, 0) == 0)
+    if (!force_fd_walk && syscall(SYS_close_range, (unsigned int)lowest, ~0U, 0) == 0)
         return;
 #endif
+    int dir = open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir >= 0) {
+        char buf[4096] __attribute__((aligned(8)));
+        long n;
+        while ((n = syscall(SYS_getdents64, dir, buf, sizeof buf)) > 0) {
+            for (long off = 0; off < n;) {
+                struct dirent64_raw *d = (struct dirent64_raw *)(buf + off);
+                off += d->d_reclen;
+                long fd = 0;
+                const char *c = d->d_name;
+                if (*c < '0' || *c > '9')
+                    continue; /* "." and ".." */
+                for (; *c >= '0' && *c <= '9'; c++)
+                    fd = fd * 10 + (*c - '0');
+                if (fd >= lowest && fd != dir)
+                    close((int)fd);
+            }
+        }
+        close(dir);
+        return;
+    }
     struct rlimit nofile;
     long top = 65536;
     if (getrlimit(RLIMIT_NOFILE, &nofile) == 0 && nofile.rlim_cur != RLIM_INFINITY)
@@ -445,8 +481,15 @@ done:
     return result;
 }
 
+static PyObject *walk_fds(PyObject *self, PyObject *arg)
+{
+    force_fd_walk = PyObject_IsTrue(arg) == 1;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"spawn", spawn, METH_VARARGS, spawn_doc},
+    {"_walk_fds", walk_fds, METH_O, "Test hook: close a child's fds by walking /proc/self/fd (as without close_range)."},
     {NULL, NULL, 0, NULL},
 };
 

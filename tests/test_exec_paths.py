@@ -263,3 +263,31 @@ def test_status_says_which_path_the_spawner_takes_and_a_re_exec_keeps_it(path, m
     d.reexec()
     st = d.ok("status")
     assert st["daemon"]["spawner_exec_path"] == path and d.unit("a")["pid"] == pid, st["daemon"]
+
+
+@pytest.mark.parametrize("walk", [False, True], ids=["close_range", "walk /proc/self/fd"])
+def test_a_compiled_child_keeps_no_fd_but_stdio_with_close_range_or_without(walk):
+    # A kernel before 5.9 has no close_range: the child walks /proc/self/fd instead (a raised
+    # RLIMIT_NOFILE would make closing every number a million system calls a spawn).
+    if _spawnc is None:
+        pytest.skip("omnid._spawnc is not built here (no C compiler at install)")
+    r, w = os.pipe()
+    high = os.dup2(w, 1000, inheritable=True)
+    os.set_inheritable(r, True)
+    _spawnc._walk_fds(walk)
+    try:
+        sleep = shutil.which("sleep")
+        pid, stage, err, _index = _spawnc.spawn(
+            [os.fsencode(sleep)], [b"sleep", b"1000"], [b"PATH=/bin"], w, w, w, os.getpid(), (), (), None,
+            None, 0, b"", 0, True, None, -1, None, -1)
+        try:
+            assert stage == 0, (stage, err)
+            wait_for(lambda: Path(f"/proc/{pid}/exe").resolve() == Path(sleep).resolve(), 10, "sleep exec'd")
+            assert sorted(os.listdir(f"/proc/{pid}/fd"), key=int) == ["0", "1", "2"]
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    finally:
+        _spawnc._walk_fds(False)
+        for fd in (r, w, high):
+            os.close(fd)

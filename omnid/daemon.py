@@ -27,6 +27,7 @@ from omnid import cgroup as cgroup_mod
 from omnid import clusterwiring, linux, logconfig, settings, startup
 from omnid.control import ControlError, ControlServer, prepare_socket_dir
 from omnid.core import takeover as takeover_mod
+from omnid.core.lifecycle import Phase
 from omnid.core.supervisor import Supervisor
 from omnid.metrics import DaemonMetrics
 from omnid.notify import NotifyServer
@@ -45,6 +46,8 @@ if TYPE_CHECKING:  # imported once the first tier's spawns are out (Daemon._load
 log = structlog.get_logger("omnid.daemon")
 
 DEFAULT_HEALTH = settings.DEFAULT_HEALTH
+# The health API's import waits for the first tier's spawns to be answered, this long at most.
+HEALTH_IMPORT_WAIT_S = 1.0
 
 
 def bind_listener(listen: str) -> socket.socket:
@@ -400,9 +403,14 @@ class Daemon:
         return self.control._reader
 
     async def _start_health(self, sock: socket.socket) -> None:
-        """Import aiohttp (~100 ms) in a thread while the loop spawns the first tier and
-        keeps watching pidfds and READY messages; then serve on the bound socket."""
+        """Import aiohttp (~100 ms of CPU) in a thread once the first tier's spawns are answered
+        (at most HEALTH_IMPORT_WAIT_S), while the loop keeps watching pidfds and READY
+        messages; then serve on the bound socket. Not during the spawns: an import in a
+        thread holds the GIL in slices of the switch interval (5 ms), and the loop would wait
+        out a slice between two spawn answers (start 256: ~100 ms)."""
         assert self.sup is not None
+        units = self.sup.units.values()
+        await self.sup.wait_until(lambda: not any(rt.phase is Phase.SPAWNING for rt in units), HEALTH_IMPORT_WAIT_S)
         health_mod = await asyncio.to_thread(importlib.import_module, "omnid.health")
         self.health = health_mod.HealthServer(self.sup, self.cfg.health_listen, degraded=lambda: self.sup.degraded,
                                               gpu_usage=lambda: self.sup.gpu_mib,

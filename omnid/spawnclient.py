@@ -5,8 +5,10 @@ never a fork of the daemon), then turns its datagrams into awaitable spawn
 results and exit reports on the daemon's event loop.
 
 Spawns asked for in one turn of the loop (a tier's units, started together) go out as one
-datagram at the end of that turn, their common environment once; the spawner answers what
-one turn of its own loop learnt in one datagram too, pidfds attached.
+datagram at the end of that turn, their common environment once; a big tier goes out in parts
+of PIPELINE_SPAWNS as it is built, so the spawner starts the first children while the loop
+builds the rest. The spawner answers what one turn of its own loop learnt in one datagram
+too, pidfds attached.
 """
 
 from __future__ import annotations
@@ -140,6 +142,8 @@ def spawn_wire(rid: int, req: SpawnRequest) -> dict:
             "placement": req.placement.to_wire() if req.placement is not None else None, "path": req.path}
 
 
+# Requests queued in one turn are sent once this many are ready, the rest at the turn's end.
+PIPELINE_SPAWNS = 32
 MAX_BATCH_FDS = 250  # fds in one datagram (the kernel's SCM_MAX_FD is 253)
 MAX_BATCH_BYTES = MAX_MESSAGE // 2
 
@@ -198,7 +202,7 @@ class SpawnerClient:
         # How the spawner sets a child up between fork and exec, from its hello (or the handover).
         self.exec_path: str | None = None
         self._closed = False
-        self._queue: list[_Queued] = []  # spawns of this turn of the loop (one datagram at its end)
+        self._queue: list[_Queued] = []  # spawns of this turn of the loop, not sent yet
         self._flush_scheduled = False
         self._writer = False  # waiting for room in the socket buffer
         self._hello_timer: asyncio.TimerHandle | None = None
@@ -372,7 +376,11 @@ class SpawnerClient:
         self._pending[rid] = fut
         queued = _Queued(rid, wire, env, [out_w] if err_w is None else [out_w, err_w])
         self._queue.append(queued)
-        if not self._flush_scheduled and not self._writer:
+        if len(self._queue) >= PIPELINE_SPAWNS and not self._writer:
+            # A big tier goes out in parts as it is built: the spawner starts the first
+            # children while this loop builds the next requests (two CPUs at work, not one).
+            self._flush()
+        elif not self._flush_scheduled and not self._writer:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
         try:

@@ -13,7 +13,8 @@ Protocol, one JSON object per datagram, fds by SCM_RIGHTS:
                         SPAWN = {"id", "unit", "argv", "env": {changed vars}, "unset": [vars],
                                  "cwd", "user", "group", "rlimits", "cgroup", "placement", "nfds",
                                  "path"?: the program to execve, else argv[0] through PATH}
-                        (a tier's spawns in one datagram: one wake-up, one read, one decode)
+                        (a tier's spawns in one datagram, or a few for a big tier: one wake-up,
+                         one read, one decode for many)
                      {"op": "spawn", "id", "unit", "argv", "env", ...} + [stdout, stderr]  (one spawn)
                      {"op": "shutdown"}
   spawner -> daemon  {"op": "batch", "events": [EVENT, ...]} + [the pidfds of its "spawned" events]

@@ -195,3 +195,42 @@ def test_the_daemon_hands_the_spawner_the_program_it_found_and_only_when_it_is_s
     assert program_path("./napper", path, a) is None  # a slash: exactly as written
     assert program_path("napper", {"PATH": "bin"}, a) is None  # relative: the unit's cwd decides
     assert program_path("napper", path, u) is None  # another user's X_OK is not root's
+
+
+def test_a_big_tier_goes_out_in_parts_as_it_is_built(monkeypatch):
+    # 70 spawns asked in one turn of the loop: the first 32 leave while the rest are still
+    # being built (the spawner starts children meanwhile), then 32, then the turn's last 6.
+    sends: list[int] = []
+    real_send = socket.send_fds
+
+    def counting_send(sock, buffers, fds, *args):
+        sends.append(len(fds))
+        return real_send(sock, buffers, fds, *args)
+
+    monkeypatch.setattr(spawnclient.socket, "send_fds", counting_send)
+
+    async def main() -> None:
+        async with Run() as run:
+            env = dict(os.environ)
+            reqs = []
+            for i in range(70):
+                _r, w = run.pipe()
+                reqs.append(asyncio.ensure_future(run.client.spawn(SpawnRequest(unit=f"w@{i}", argv=("sleep", "1000"),
+                                                                                 env=env), w)))
+            await asyncio.sleep(0)  # every request built and queued in this one turn
+            assert sends[:2] == [spawnclient.PIPELINE_SPAWNS] * 2, sends
+            spawned = await asyncio.gather(*reqs)
+            try:
+                assert sends == [32, 32, 6] and len({sp.pid for sp in spawned}) == 70, sends
+            finally:
+                for sp in spawned:
+                    linux.pidfd_send_signal(sp.pidfd, signal.SIGKILL)
+                    os.close(sp.pidfd)
+            pids = {sp.pid for sp in spawned}
+            for _ in range(500):
+                if pids <= {e.pid for e in run.exits}:
+                    break
+                await asyncio.sleep(0.01)
+            assert pids <= {e.pid for e in run.exits}
+
+    asyncio.run(main())

@@ -38,6 +38,17 @@
 
 #define MPOL_PREFERRED_MANY 5
 
+/* The 32-bit id system calls where the plain ones take 16-bit ids (i386, arm). */
+#ifdef SYS_setuid32
+#define SYS_SETUID SYS_setuid32
+#define SYS_SETGID SYS_setgid32
+#define SYS_SETGROUPS SYS_setgroups32
+#else
+#define SYS_SETUID SYS_setuid
+#define SYS_SETGID SYS_setgid
+#define SYS_SETGROUPS SYS_setgroups
+#endif
+
 enum stage {
     ST_OK = 0,
     ST_SETSID,
@@ -195,11 +206,11 @@ static void __attribute__((noreturn, noinline)) child_exec(const struct plan *p,
     }
     if (p->cwd && chdir(p->cwd) < 0)
         fail(o, ST_CHDIR, errno, 0);
-    if (p->gid >= 0 && syscall(SYS_setgid, (gid_t)p->gid) != 0)
+    if (p->gid >= 0 && syscall(SYS_SETGID, (gid_t)p->gid) != 0)
         fail(o, ST_GROUP, errno, 0); /* the unit's group, or its user's primary group */
-    if (p->ngroups >= 0 && syscall(SYS_setgroups, (size_t)p->ngroups, p->groups) != 0)
+    if (p->ngroups >= 0 && syscall(SYS_SETGROUPS, (size_t)p->ngroups, p->groups) != 0)
         fail(o, ST_USER, errno, 0);
-    if (p->uid >= 0 && syscall(SYS_setuid, (uid_t)p->uid) != 0)
+    if (p->uid >= 0 && syscall(SYS_SETUID, (uid_t)p->uid) != 0)
         fail(o, ST_USER, errno, 0);
     if (p->uid >= 0 || p->gid >= 0) {
         /* The kernel clears PDEATHSIG when credentials change: arm it again. */

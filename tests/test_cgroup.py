@@ -188,7 +188,10 @@ def _toml_unit(pidfile, then="sleep") -> str:
             f"    os.execve('/usr/bin/env',['env','-i','/bin/sh','-c','echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; exec sleep 300'],{{}})\n"
             f"  os._exit(0)\n"
             f"while not os.path.exists('{pidfile}'): time.sleep(0.01)\n"
-            + ("time.sleep(300)\n" if then == "sleep" else "sys.exit(1)\n"))
+            # "exit": once the test holds the grandchild by its pidfd (Grandchild), else the
+            # unit's failure could kill it before the test has read its pid.
+            + ("time.sleep(300)\n" if then == "sleep" else
+               f"while not os.path.exists('{pidfile}.held'): time.sleep(0.01)\nsys.exit(1)\n"))
     return f"exec = {json.dumps(['python3', '-c', code])}\nstop_timeout = 5\n"
 
 
@@ -199,6 +202,7 @@ class Grandchild:
         wait_for(lambda: os.path.exists(pidfile), 20, f"the grandchild's pid in {pidfile}")
         self.pid = int(open(pidfile).read())
         self.fd = os.pidfd_open(self.pid)
+        open(f"{pidfile}.held", "w").close()  # the unit may go on (and fail) now
 
     def alive(self) -> bool:
         import select

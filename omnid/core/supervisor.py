@@ -32,7 +32,7 @@ from omnid.core.requests import OperatorRequests
 from omnid.core.runtime import RestartBook, UnitRuntime
 from omnid.core.schedule import Schedule
 from omnid.output import UnitOutput
-from omnid.process import ProcessHandle
+from omnid.process import ProcessHandle, group_alive
 from omnid.spawnclient import ExitReport, SpawnerClient
 from omnid.tasks import report_crash
 from omnid.units import Stack
@@ -213,8 +213,12 @@ class Supervisor:
             return
         rt.ready = False  # /health turns 503 now, before the failure is recorded
         self.notify_changed()
-        if not h.reaped.is_set() and (status := linux.pidfd_exit_status(h.pidfd)) is not None:
+        if (not h.reaped.is_set() and not group_alive(h.pgid)
+                and (status := linux.pidfd_exit_status(h.pidfd)) is not None):
             # The spawner reaped it already: its status is here, without waiting for the report.
+            # Only when its process group is empty too: other members' zombies are reaped in
+            # the same turn of the spawner's loop, and its report comes after them; before it,
+            # the group could not be proven empty (a zombie carries no tag to read).
             h.exit_status = status
             h.reaped.set()
             self._exits_read[h.pid] = None

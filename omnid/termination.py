@@ -136,8 +136,13 @@ class ProcessGroupTarget:
         if self.h.leader_alive():
             return True
         # The leader is gone: the number alone may name a stranger's group now.
-        return any(s for s in find_residue(self.name, self.h.pgid, self.spawner_pid, self.token,
-                                           mains=self.mains, children=[], group_ours=False))
+        if any(s for s in find_residue(self.name, self.h.pgid, self.spawner_pid, self.token,
+                                       mains=self.mains, children=[], group_ours=False)):
+            return True
+        # Zombies of the group not reaped yet carry no tag to read; those that are children of
+        # the spawner (which reaps them in a moment) are ours: the group is not empty yet.
+        return any(p not in self.mains and (st := linux.read_stat(p)) is not None and st.pgid == self.h.pgid
+                   for p in linux.children_of(self.spawner_pid))
 
     async def wait_gone(self, deadline: float) -> bool:
         try:

@@ -46,10 +46,15 @@ def test_interleaved_requests_and_sigkills_leave_state_matching_the_kernel(daemo
             if pid:
                 try:
                     fd = os.pidfd_open(pid)
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-                    os.close(fd)
                 except ProcessLookupError:
-                    pass
+                    fd = -1
+                if fd >= 0:
+                    try:
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass  # it exited between the open and the signal
+                    finally:
+                        os.close(fd)
         while sock.poll(0):
             r = json.loads(sock.recv())
             replies[r["id"]] = r

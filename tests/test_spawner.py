@@ -43,21 +43,40 @@ class Run:
         self.fds += [r, w]
         return r, w
 
+    async def kill_and_reap(self, spawned: list) -> None:
+        """SIGKILL every child spawned (its pidfd closed), then wait for their exit reports."""
+        live = [sp for sp in spawned if not isinstance(sp, BaseException)]
+        for sp in live:
+            linux.pidfd_send_signal(sp.pidfd, signal.SIGKILL)
+            os.close(sp.pidfd)
+        pids = {sp.pid for sp in live}
+        for _ in range(500):
+            if pids <= {e.pid for e in self.exits}:
+                break
+            await asyncio.sleep(0.01)
+        assert pids <= {e.pid for e in self.exits}
+
     async def __aexit__(self, *exc) -> None:
         await self.client.shutdown()
         for fd in self.fds:
             os.close(fd)
 
 
-def test_a_tier_of_spawns_is_one_request_and_its_pidfds_come_back_together(monkeypatch):
-    sends: list[int] = []
+@pytest.fixture
+def sends(monkeypatch) -> list[int]:
+    """How many fds each datagram to the spawner carried, in order."""
+    out: list[int] = []
     real_send = socket.send_fds
 
     def counting_send(sock, buffers, fds, *args):
-        sends.append(len(fds))
+        out.append(len(fds))
         return real_send(sock, buffers, fds, *args)
 
     monkeypatch.setattr(spawnclient.socket, "send_fds", counting_send)
+    return out
+
+
+def test_a_tier_of_spawns_is_one_request_and_its_pidfds_come_back_together(sends):
 
     async def main() -> None:
         async with Run() as run:
@@ -90,16 +109,7 @@ def test_a_tier_of_spawns_is_one_request_and_its_pidfds_come_back_together(monke
                     glibc = (1 << 31) | (1 << 32)
                     assert int(status["SigIgn"], 16) & ~glibc == 0 and int(status["SigBlk"], 16) == 0, status
             finally:
-                for sp in spawned:
-                    if not isinstance(sp, BaseException):
-                        linux.pidfd_send_signal(sp.pidfd, signal.SIGKILL)
-                        os.close(sp.pidfd)
-            pids = {sp.pid for sp in spawned}
-            for _ in range(500):
-                if pids <= {e.pid for e in run.exits}:
-                    break
-                await asyncio.sleep(0.01)
-            assert pids <= {e.pid for e in run.exits}
+                await run.kill_and_reap(spawned)
 
     asyncio.run(main())
 
@@ -197,17 +207,9 @@ def test_the_daemon_hands_the_spawner_the_program_it_found_and_only_when_it_is_s
     assert program_path("napper", path, u) is None  # another user's X_OK is not root's
 
 
-def test_a_big_tier_goes_out_in_parts_as_it_is_built(monkeypatch):
+def test_a_big_tier_goes_out_in_parts_as_it_is_built(sends):
     # 70 spawns asked in one turn of the loop: the first 32 leave while the rest are still
     # being built (the spawner starts children meanwhile), then 32, then the turn's last 6.
-    sends: list[int] = []
-    real_send = socket.send_fds
-
-    def counting_send(sock, buffers, fds, *args):
-        sends.append(len(fds))
-        return real_send(sock, buffers, fds, *args)
-
-    monkeypatch.setattr(spawnclient.socket, "send_fds", counting_send)
 
     async def main() -> None:
         async with Run() as run:
@@ -223,14 +225,6 @@ def test_a_big_tier_goes_out_in_parts_as_it_is_built(monkeypatch):
             try:
                 assert sends == [32, 32, 6] and len({sp.pid for sp in spawned}) == 70, sends
             finally:
-                for sp in spawned:
-                    linux.pidfd_send_signal(sp.pidfd, signal.SIGKILL)
-                    os.close(sp.pidfd)
-            pids = {sp.pid for sp in spawned}
-            for _ in range(500):
-                if pids <= {e.pid for e in run.exits}:
-                    break
-                await asyncio.sleep(0.01)
-            assert pids <= {e.pid for e in run.exits}
+                await run.kill_and_reap(spawned)
 
     asyncio.run(main())

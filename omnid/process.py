@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import select
 import signal
 from collections.abc import Container
 from dataclasses import dataclass, field
@@ -96,11 +95,19 @@ class ProcessHandle:
     def leader_alive(self) -> bool:
         """Is the main process (the group leader) still running? A pidfd that is not
         readable proves it, and with it that the group number is still this unit's."""
-        if self.pidfd < 0:
+        return self.pidfd >= 0 and not linux.pidfd_exited(self.pidfd)
+
+    def status_from_pidfd(self) -> bool:
+        """Take the exit status from the pidfd once the spawner has reaped the process (the
+        kernel keeps it with the pid), without waiting for the spawner's report: True if taken.
+        Only when the process group is empty too: the group's other zombies are reaped in the
+        same turn of the spawner's loop and its report comes after them; before it, the group
+        could not be proven empty (a zombie carries no tag to read)."""
+        if group_alive(self.pgid) or (status := linux.pidfd_exit_status(self.pidfd)) is None:
             return False
-        p = select.poll()
-        p.register(self.pidfd, select.POLLIN)
-        return not p.poll(0)
+        self.exit_status = status
+        self.reaped.set()
+        return True
 
     def _leader_is_our_zombie(self) -> bool:
         """Exited but not reaped yet: the zombie still holds the pid, so the group number

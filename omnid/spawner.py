@@ -379,11 +379,9 @@ class Spawner:
             os.close(errout_fd)
         # Open the pidfd before anything can reap the child: the pid is pinned
         # (at worst a zombie) until this loop calls waitpid.
-        pidfd = self._pidfd_or_kill(pid)
+        pidfd = self._pidfd_or_kill(pid, req["id"])
         if pidfd < 0:
             os.close(err_r)
-            self.outbox.append(({"op": "spawn_failed", "id": req["id"], "pid": pid, "errno": 0,
-                                 "error": "pidfd_open failed (out of fds?): the child was killed"}, -1))
             return
         os.set_blocking(err_r, False)
         self.launching[pid] = Launch(req["id"], req.get("unit", "?"), pid, pidfd,
@@ -427,19 +425,17 @@ class Spawner:
             return
         # Open the pidfd before anything can reap the child: the pid is pinned (at worst a
         # zombie) until this loop calls waitpid.
-        pidfd = self._pidfd_or_kill(pid)
+        pidfd = self._pidfd_or_kill(pid, rid)
         if pidfd < 0:
-            self.outbox.append(({"op": "spawn_failed", "id": rid, "pid": pid, "errno": 0,
-                                 "error": "pidfd_open failed (out of fds?): the child was killed"}, -1))
             return
         self.units[pid] = req.get("unit", "?")
         self.outbox.append(({"op": "spawned", "id": rid, "pid": pid, "start_time": linux.start_time_of(pid) or 0},
                             pidfd))
 
-    def _pidfd_or_kill(self, pid: int) -> int:
+    def _pidfd_or_kill(self, pid: int, rid: int) -> int:
         """A pidfd for our unreaped child `pid`, or -1 with the child (and its session's group:
-        it called setsid) SIGKILLed: nothing may run that the daemon cannot hold. The pid is
-        still ours to signal: only this loop reaps."""
+        it called setsid) SIGKILLed and spawn `rid` answered as failed: nothing may run that
+        the daemon cannot hold. The pid is still ours to signal: only this loop reaps."""
         try:
             return linux.pidfd_open(pid)
         except OSError:
@@ -448,6 +444,8 @@ class Spawner:
                     kill(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
+            self.outbox.append(({"op": "spawn_failed", "id": rid, "pid": pid, "errno": 0,
+                                 "error": "pidfd_open failed (out of fds?): the child was killed"}, -1))
             return -1
 
     def _refuse(self, req: dict, out_fd: int, errout_fd: int, text: str) -> None:

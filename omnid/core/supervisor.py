@@ -24,6 +24,7 @@ from omnid import linux
 from omnid.core import groups
 from omnid.core.drain import Drains
 from omnid.core.executor import EXIT_STATUS_WAIT_S, Ctx, Executor
+from omnid.core.exits import ExitBook
 from omnid.core.invariants import verify, verify_unit
 from omnid.core.lifecycle import Cause, Event, Goal, IllegalEvent, Phase, UnitState, View, step
 from omnid.core.monitors import Monitors
@@ -32,7 +33,7 @@ from omnid.core.requests import OperatorRequests
 from omnid.core.runtime import RestartBook, UnitRuntime
 from omnid.core.schedule import Schedule
 from omnid.output import UnitOutput
-from omnid.process import ProcessHandle, group_alive
+from omnid.process import ProcessHandle
 from omnid.spawnclient import ExitReport, SpawnerClient
 from omnid.tasks import report_crash
 from omnid.units import Stack
@@ -70,11 +71,7 @@ class Supervisor:
             book = books[spec.worker_group] if spec.worker_group else RestartBook()
             self.units[name] = UnitRuntime(spec=spec, book=book, output=UnitOutput(name, echo=echo_output))
         self.by_pid: dict[int, tuple[UnitRuntime, ProcessHandle]] = {}
-        self._early_exits: collections.OrderedDict[int, ExitReport] = collections.OrderedDict()
-        # Exits read from the pidfd (the kernel keeps a reaped pid's status): the spawner's
-        # report of each, still on its way, is dropped when it comes. It always comes before
-        # any spawn that could reuse the pid (the spawner reports the reap first).
-        self._exits_read: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.exits = ExitBook()  # reports and statuses that do not meet their unit in order
         self._in_tier = False  # a converge is feeding stops: the subreaper's children are read once for all
         self._tier_orphans: list[int] | None = None
         self.executor = Executor(self)
@@ -190,9 +187,7 @@ class Supervisor:
         rt.proc = h
         rt.last_pgid = h.pgid
         self.by_pid[h.pid] = (rt, h)
-        early = self._early_exits.pop(h.pid, None)
-        if early is not None and linux.pidfd_exited(h.pidfd):
-            # (A report kept for a pid that lives again is an earlier process's: dropped.)
+        if (early := self.exits.take_early(h)) is not None:
             self.on_exit_report(early)
         for fields in self.monitors.early.pop(h.pgid, []):
             self.monitors.apply(rt, fields)
@@ -213,17 +208,8 @@ class Supervisor:
             return
         rt.ready = False  # /health turns 503 now, before the failure is recorded
         self.notify_changed()
-        if (not h.reaped.is_set() and not group_alive(h.pgid)
-                and (status := linux.pidfd_exit_status(h.pidfd)) is not None):
-            # The spawner reaped it already: its status is here, without waiting for the report.
-            # Only when its process group is empty too: other members' zombies are reaped in
-            # the same turn of the spawner's loop, and its report comes after them; before it,
-            # the group could not be proven empty (a zombie carries no tag to read).
-            h.exit_status = status
-            h.reaped.set()
-            self._exits_read[h.pid] = None
-            if len(self._exits_read) > 4096:
-                self._exits_read.popitem(last=False)
+        if not h.reaped.is_set() and h.status_from_pidfd():
+            self.exits.read_from_pidfd(h.pid)  # the spawner's report, on its way, is dropped
         if h.reaped.is_set():
             self.feed(rt, E.EXITED)
         else:  # the spawner's exit report is on its way; without it in 2 s: status unknown
@@ -237,15 +223,12 @@ class Supervisor:
             self.feed(rt, E.EXITED)
 
     def on_exit_report(self, rep: ExitReport) -> None:
-        if rep.pid in self._exits_read:
-            del self._exits_read[rep.pid]
-            return  # read from the pidfd already
+        if self.exits.already_read(rep.pid):
+            return
         entry = self.by_pid.get(rep.pid)
         if entry is None:
             if not rep.adopted:  # the exit of a spawn whose reply is still on its way
-                self._early_exits[rep.pid] = rep
-                if len(self._early_exits) > 4096:
-                    self._early_exits.popitem(last=False)
+                self.exits.keep_early(rep)
             return
         rt, h = entry
         h.exit_status = rep.status

@@ -1,0 +1,48 @@
+"""Exit reports that do not meet their unit in order (omnid.core.supervisor).
+
+A death is known two ways: the spawner's exit report, and the unit's pidfd (which, once the
+spawner has reaped, also gives the status: ProcessHandle.status_from_pidfd). Either can come
+first:
+- a report may arrive before the reply of the spawn it ends (kept as `early` until the unit
+  adopts its process);
+- a status read from the pidfd makes the report that follows redundant (`read`: dropped when
+  it comes; the spawner reports a reap before any spawn that could reuse the pid).
+Both books are bounded: a spawner that never sends what was expected cannot grow them.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from omnid.process import ProcessHandle
+from omnid.spawnclient import ExitReport
+
+BOUND = 4096
+
+
+class ExitBook:
+    def __init__(self) -> None:
+        self._early: collections.OrderedDict[int, ExitReport] = collections.OrderedDict()
+        self._read: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+    @staticmethod
+    def _put(book: collections.OrderedDict, pid: int, value) -> None:
+        book[pid] = value
+        if len(book) > BOUND:
+            book.popitem(last=False)
+
+    def keep_early(self, rep: ExitReport) -> None:
+        self._put(self._early, rep.pid, rep)
+
+    def take_early(self, h: ProcessHandle) -> ExitReport | None:
+        """The report kept for the process `h` now holds, if that process has ended (a report
+        kept for a pid that lives again is an earlier process's: dropped)."""
+        rep = self._early.pop(h.pid, None)
+        return rep if rep is not None and not h.leader_alive() else None
+
+    def read_from_pidfd(self, pid: int) -> None:
+        self._put(self._read, pid, None)
+
+    def already_read(self, pid: int) -> bool:
+        """True (once) for a report whose status the pidfd gave first."""
+        return self._read.pop(pid, 0) is None

@@ -158,3 +158,200 @@ stop_timeout = 2
     # failures x (interval + answer) at most, with room for a loaded machine
     assert took < 2 * (0.3 + 1) + 2, took
     print(f"\nliveness POST: 500 -> unit failing in {took:.2f} s (failures 2, interval 0.3 s)")
+
+
+# ------------------------------------------------------------------ liveness: exec
+PROBE = r'''
+import os, subprocess, sys, time
+mode_file, log = sys.argv[1], sys.argv[2]
+mode = open(mode_file).read().strip() if os.path.exists(mode_file) else "ok"
+with open(log, "a") as f:
+    f.write(f"{os.getpid()} {os.getpgid(0)} {os.getcwd()} {os.environ.get('PROBE_VAR')} "
+            f"{os.environ.get('OMNID_PROBE')} {mode}\n")
+if mode == "fail":
+    print("checking the engine")
+    print("engine said: no KV cache left", file=sys.stderr)
+    sys.exit(3)
+if mode == "hang":
+    subprocess.Popen(["sleep", "1000"])  # a child in its process group, killed with it
+    time.sleep(1000)
+'''
+
+
+def probe_pids(log: Path) -> list[tuple[int, int, str, str, str, str]]:
+    if not log.exists():
+        return []
+    out = []
+    for line in log.read_text().splitlines():
+        pid, pgid, cwd, var, tag, mode = line.split()
+        out.append((int(pid), int(pgid), cwd, var, tag, mode))
+    return out
+
+
+def group_members(pgid: int) -> list[linux.ProcStat]:
+    return [p for p in linux.scan() if p.pgid == pgid]
+
+
+@pytest.mark.parametrize("mode", ["fail", "hang"])
+def test_exec_probe_runs_as_the_unit_passes_on_0_and_fails_or_is_killed_and_reaped(tmp_path, daemon_factory, mode):
+    eng = Engine(tmp_path)
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    mode_file, log = tmp_path / "mode", tmp_path / "probes.log"
+    work = tmp_path / "work"
+    work.mkdir()
+    stack = make_stack({"eng": f"""{eng.exec_line()}
+cwd = "{work}"
+env = {{ PROBE_VAR = "from-the-unit" }}
+ready = {{ http = "{eng.url('/health')}" }}
+ready_interval = 0
+liveness = {{ exec = ["python3", "{probe}", "{mode_file}", "{log}"], interval = 0.2, timeout = 0.8, failures = 2 }}
+stop_timeout = 2
+"""})
+    d = daemon_factory(stack)
+    pid = d.wait_state("eng", "active")["pid"]
+    wait_for(lambda: len(probe_pids(log)) >= 3, 15, "three probes to have run")
+    fds = fd_count(d.pid)
+    n = len(probe_pids(log))
+    wait_for(lambda: len(probe_pids(log)) >= n + 8, 20, "eight more probes")
+    assert d.unit("eng")["state"] == "active" and d.unit("eng")["pid"] == pid
+    # every probe ran as the unit: its cwd, its environment, its own process group; none is left
+    for ppid, pgid, cwd, var, tag, _ in probe_pids(log):
+        assert (cwd, var, tag) == (str(work), "from-the-unit", "liveness") and pgid == ppid
+    assert fd_count(d.pid) <= fds, (fds, os.listdir(f"/proc/{d.pid}/fd"))  # no pidfd or pipe kept
+    # no probe left but the one that may be running now (zombies count: read_stat sees them)
+    assert not [p for p, *_ in probe_pids(log)[:-1] if linux.read_stat(p) is not None and
+                linux.read_environ_var(p, "OMNID_PROBE")]
+    t0 = time.monotonic()
+    mode_file.write_text(mode)
+    u = wait_for(lambda: left_active(d, "eng", pid), 15, "eng to fail its exec probe")
+    took = time.monotonic() - t0
+    u = d.wait_state("eng", "failed")
+    if mode == "fail":
+        assert "exited with code 3: checking the engine | engine said: no KV cache left (2/2)" in u["reason"], u["reason"]
+        assert took < 2 * 0.2 + 2 + 2, took
+    else:
+        assert "timed out after 0.8 s (killed)" in u["reason"], u["reason"]
+        assert took < 2 * (0.2 + 0.8) + 2 + 2, took
+    hung = [(p, g) for p, g, *_, m in probe_pids(log) if m == mode]
+    assert hung
+    # the killed probes and their process groups are gone, reaped (no zombie) by the spawner
+    for p, g in hung:
+        wait_for(lambda: linux.read_stat(p) is None and not group_members(g), 5,
+                 f"probe {p} and its group to be gone and reaped")
+    wait_for(lambda: fd_count(d.pid) <= fds, 5, "the daemon's fds back to before the probes")
+    print(f"\nexec probe ({mode}): unit failing {took:.2f} s after the probe began to {mode} "
+          f"(failures 2, interval 0.2 s, timeout 0.8 s)")
+
+
+# ------------------------------------------------------------------ progress
+def progress_unit(eng: Engine, stall: float, interval: float) -> str:
+    return f"""{eng.exec_line()}
+ready = {{ http = "{eng.url('/health')}" }}
+ready_interval = 0
+progress = {{ metrics = "{eng.url('/metrics')}", counter = "vllm:generation_tokens_total", busy = ["vllm:num_requests_running", "vllm:num_requests_waiting"], stall_sec = {stall}, interval = {interval} }}
+restart = "on-failure"
+restart_sec = 0.2
+stop_timeout = 3
+capture_timeout = 3
+"""
+
+
+def test_progress_never_fails_an_idle_engine_and_a_counter_reset_is_progress(tmp_path, daemon_factory):
+    eng = Engine(tmp_path)
+    d = daemon_factory(make_stack({"eng": progress_unit(eng, stall=1.0, interval=0.25)}))
+    pid = d.wait_state("eng", "active")["pid"]
+    worker = eng.worker_pid()
+    active = lambda: d.unit("eng")["state"] == "active" and d.unit("eng")["pid"] == pid  # noqa: E731
+    # idle (busy 0), its worker stopped: the counter does not move, and nothing waits for it
+    send_signal(worker, signal.SIGSTOP)
+    stays(active, 3.0, "an idle engine with a stopped worker stays active")
+    send_signal(worker, signal.SIGCONT)
+    eng.set(busy=2)
+    stays(active, 2.0, "a busy engine whose counter moves stays active")
+    for k in range(4):  # the counter drops to 0 again and again: a reset each time, progress
+        eng.set(reset=k)
+        time.sleep(0.4)
+        assert active()
+    n = eng.stats()["requests"].get("/metrics", 0)
+    assert n >= 20, f"only {n} scrapes"
+    eng.set(busy=0)
+
+
+def test_progress_catches_a_stopped_worker_behind_a_200_captures_kills_and_restarts(tmp_path, daemon_factory):
+    eng = Engine(tmp_path)
+    stall, interval = 2.0, 0.5
+    d = daemon_factory(make_stack({"eng": progress_unit(eng, stall=stall, interval=interval)}))
+    pid = d.wait_state("eng", "active")["pid"]
+    worker = eng.worker_pid()
+    eng.set(busy=3)
+    time.sleep(interval * 3)
+    t0 = time.monotonic()
+    send_signal(worker, signal.SIGSTOP)
+    code, _ = d.http("/health")
+    assert code == 200  # what a hang looks like from outside: /health says nothing
+    u = wait_for(lambda: left_active(d, "eng", pid), stall + interval + 10, "the stall to be caught")
+    took = time.monotonic() - t0
+    assert stall - interval - 0.1 <= took <= stall + interval + 2.0, took  # bound, with room for load
+    u = wait_for(lambda: (x := d.unit("eng"))["pid"] not in (None, pid) and x["state"] == "active" and x,
+                 30, "eng restarted and serving")
+    back = time.monotonic() - t0
+    assert not alive(pid) and not alive(worker)
+    caps = d.ok("dump", {"unit": "eng"})["captures"]
+    assert caps, "no capture kept"
+    text = caps[-1]["text"]
+    # the dump names why (the stall) and the stopped worker
+    assert "progress: vllm:generation_tokens_total stuck at" in text and "vllm:num_requests_running = 3" in text, text[:3000]
+    assert f"pid {worker} T" in text or f"pid {worker} (" in text, text[:3000]
+    print("\n" + "\n".join(text.splitlines()[:12]))
+    print(f"\nprogress: SIGSTOP of the worker (busy 3) -> caught in {took:.2f} s (stall_sec {stall}, interval "
+          f"{interval}); restarted and active again after {back:.2f} s")
+
+
+# ------------------------------------------------------------------ readiness that continues
+def health_of(d, name: str) -> tuple[int, str, str]:
+    code, body = d.http("/health")
+    return code, body.get("status", ""), body.get("units", {}).get(name, {}).get("reason", "")
+
+
+def test_readiness_continues_degraded_while_not_ready_then_ok_same_process(tmp_path, daemon_factory):
+    eng = Engine(tmp_path)
+    every = 0.5
+    d = daemon_factory(make_stack({"eng": f"""{eng.exec_line()}
+ready = {{ http = "{eng.url('/ready')}" }}
+ready_interval = {every}
+stop_timeout = 2
+"""}))
+    pid = d.wait_state("eng", "active")["pid"]
+    wait_for(lambda: health_of(d, "eng")[0] == 200, 10, "/health 200")
+    bound = every * 1.1 + 2.0  # one jittered interval and one probe's timeout
+
+    def flip(to_code: int, **ctl) -> float:
+        t0 = eng.set(**ctl)
+        wait_for(lambda: health_of(d, "eng")[0] == to_code, bound + 3, f"/health {to_code}")
+        return time.monotonic() - t0
+
+    down = flip(503, ready=503)
+    code, status, reason = health_of(d, "eng")
+    assert (code, status) == (503, "degraded")
+    assert reason == f"not ready: GET {eng.url('/ready')} answered 503", reason
+    u = d.unit("eng")
+    assert u["state"] == "active" and u["pid"] == pid and u["ready"] is False, u
+    assert u["reason"] == reason and u["degraded"] == reason, u
+    metrics = d.http("/metrics")[1]
+    assert 'omnid_unit_ready{unit="eng"} 0' in metrics, metrics[:500]
+    up = flip(200, ready=200)
+    u = d.unit("eng")
+    assert u["state"] == "active" and u["pid"] == pid and u["ready"] is True and u["reason"] == "ready", u
+    assert health_of(d, "eng")[1] == "ok"
+    # a probe that hangs: not ready after its 2 s bound; never two probes in flight
+    before = eng.stats()["requests"].get("/ready", 0)
+    hung = flip(503, ready="hang")
+    assert "timed out after 2 s" in health_of(d, "eng")[2]
+    wait_for(lambda: eng.stats()["requests"].get("/ready", 0) >= before + 4, 20, "four hung probes")
+    assert eng.stats()["max_inflight"]["/ready"] == 1, eng.stats()
+    back = flip(200, ready=200)
+    assert d.unit("eng")["pid"] == pid and alive(pid)
+    assert max(down, up) <= bound + 0.5, (down, up)
+    print(f"\nreadiness (ready_interval {every}): 200->503 degraded in {down:.2f} s, 503->200 in {up:.2f} s; "
+          f"a hanging probe -> degraded in {hung:.2f} s, back in {back:.2f} s; at most 1 probe in flight")

@@ -355,3 +355,48 @@ stop_timeout = 2
     assert max(down, up) <= bound + 0.5, (down, up)
     print(f"\nreadiness (ready_interval {every}): 200->503 degraded in {down:.2f} s, 503->200 in {up:.2f} s; "
           f"a hanging probe -> degraded in {hung:.2f} s, back in {back:.2f} s; at most 1 probe in flight")
+
+
+def test_probes_go_on_across_a_reload_and_a_reexec_of_the_daemon(tmp_path, daemon_factory):
+    import subprocess
+
+    from tests.harness import REPO, repo_pythonpath
+
+    eng = Engine(tmp_path)
+    unit = f"""{eng.exec_line()}
+ready = {{ http = "{eng.url('/ready')}" }}
+ready_interval = 0.3
+progress = {{ metrics = "{eng.url('/metrics')}", counter = "vllm:generation_tokens_total", busy = ["vllm:num_requests_running"], stall_sec = 3, interval = 0.25 }}
+stop_timeout = 2
+"""
+    stack = make_stack({"eng": unit})
+    # the re-executed program runs with -P: it must find this checkout's omnid by PYTHONPATH
+    d = daemon_factory(stack, env={"PYTHONPATH": repo_pythonpath()})
+    pid = d.wait_state("eng", "active")["pid"]
+    eng.set(busy=1)
+
+    def scrapes_go_on(what: str) -> None:
+        n = eng.stats()["requests"].get("/metrics", 0)
+        wait_for(lambda: eng.stats()["requests"].get("/metrics", 0) >= n + 3, 10,
+                 f"scrapes after the {what}: {eng.stats()}, {d.unit('eng')}")
+
+    def flips(what: str) -> None:
+        eng.set(ready=503)
+        wait_for(lambda: health_of(d, "eng")[1] == "degraded", 10, f"degraded after the {what}")
+        eng.set(ready=200)
+        wait_for(lambda: health_of(d, "eng")[0] == 200, 10, f"ok after the {what}")
+
+    d.reexec()
+    assert d.unit("eng")["pid"] == pid
+    scrapes_go_on("re-exec")
+    flips("re-exec")
+    (stack / "eng.toml").write_text(unit.replace("stall_sec = 3", "stall_sec = 4").replace("0.3\n", "0.4\n"))
+    r = subprocess.run([PY, "-m", "omnid", "--control", d.control, "reload"], capture_output=True, text=True,
+                       timeout=60, cwd=str(REPO), env=dict(os.environ, PYTHONPATH=repo_pythonpath()))
+    assert r.returncode == 0 and "updated" in r.stdout, r.stdout + r.stderr
+    assert d.unit("eng")["pid"] == pid
+    scrapes_go_on("reload")
+    flips("reload")
+    # one scrape in flight at a time, and one monitor: not two after the restarts
+    assert eng.stats()["max_inflight"]["/metrics"] == 1 and eng.stats()["max_inflight"]["/ready"] == 1
+    eng.set(busy=0)

@@ -386,8 +386,17 @@ stop_timeout = 2
         eng.set(ready=200)
         wait_for(lambda: health_of(d, "eng")[0] == 200, 10, f"ok after the {what}")
 
+    # not ready across the re-exec: still degraded after it, ready again when the engine is
+    eng.set(ready=503)
+    wait_for(lambda: health_of(d, "eng")[1] == "degraded", 10, "degraded before the re-exec")
     d.reexec()
     assert d.unit("eng")["pid"] == pid
+    code, status, reason = health_of(d, "eng")
+    assert (code, status) == (503, "degraded") and reason.startswith("not ready: "), (code, status, reason)
+    eng.set(ready=200)
+    wait_for(lambda: health_of(d, "eng")[0] == 200, 10, "ok after the re-exec")
+    u = d.unit("eng")
+    assert u["ready"] is True and u["reason"] == "ready", u
     scrapes_go_on("re-exec")
     flips("re-exec")
     (stack / "eng.toml").write_text(unit.replace("stall_sec = 3", "stall_sec = 4").replace("0.3\n", "0.4\n"))

@@ -90,6 +90,11 @@ class Monitors:
         if rt.spec.watchdog_sec > 0 and rt.spec.ready.kind is ReadyKind.NOTIFY:
             left = max(0.0, rt.watchdog_last + rt.spec.watchdog_sec - time.monotonic())
             self._watchdogs[rt.name] = asyncio.get_running_loop().call_later(left, self._expired, rt)
+        if not rt.ready and rt.reason.startswith("not ready: "):
+            # The previous program's view (the record keeps ready and reason): it holds until
+            # the first probe, at once, says otherwise.
+            self.not_ready[rt.name] = rt.reason
+            self._reason_before[rt.name] = "ready"
         self._start_probes(rt, ready_first=0.0)
 
     def _start_probes(self, rt: UnitRuntime, ready_first: float | None = None) -> None:
@@ -100,25 +105,34 @@ class Monitors:
             ex._task(rt, "progress", progress.watch(self.sup, rt))
         if spec.ready_interval > 0 and spec.ready.kind in (ReadyKind.HTTP, ReadyKind.TCP):
             ex._task(rt, "ready-probe", self._ready_probe(rt, ready_first))
+        else:
+            self._ready_again(rt)  # no probe to say it any more (a reload turned it off)
 
-    def stop(self, rt: UnitRuntime) -> None:
-        t = self._watchdogs.pop(rt.name, None)
-        if t is not None:
-            t.cancel()
+    def _stop_probes(self, rt: UnitRuntime) -> None:
         tasks = self.sup.executor.of(rt).tasks
         for kind in self.PROBE_TASKS:
             task = tasks.pop(kind, None)
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
+
+    def stop(self, rt: UnitRuntime) -> None:
+        t = self._watchdogs.pop(rt.name, None)
+        if t is not None:
+            t.cancel()
+        self._stop_probes(rt)
         self._ready_again(rt)
 
     def restart(self, rt: UnitRuntime, keep_watchdog_off: bool = False) -> None:
-        """New monitor settings for an active unit (reload): the watchdog counts from now."""
-        self.stop(rt)
-        if keep_watchdog_off:
-            self._start_probes(rt)
-            return
-        self.start(rt)
+        """New monitor settings for an active unit (reload): the watchdog counts from now; a
+        unit not ready stays so until the new readiness probe, at once, says otherwise."""
+        t = self._watchdogs.pop(rt.name, None)
+        if t is not None:
+            t.cancel()
+        self._stop_probes(rt)
+        if not keep_watchdog_off and rt.spec.watchdog_sec > 0 and rt.spec.ready.kind is ReadyKind.NOTIFY:
+            rt.watchdog_last = time.monotonic()
+            self._arm_watchdog(rt)
+        self._start_probes(rt, ready_first=0.0)
 
     # ------------------------------------------------------------ readiness that continues
     async def _ready_probe(self, rt: UnitRuntime, first: float | None = None) -> None:

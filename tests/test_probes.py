@@ -409,3 +409,24 @@ stop_timeout = 2
     # one scrape in flight at a time, and one monitor: not two after the restarts
     assert eng.stats()["max_inflight"]["/metrics"] == 1 and eng.stats()["max_inflight"]["/ready"] == 1
     eng.set(busy=0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
+def test_exec_probe_runs_as_the_units_user_and_group(tmp_path, daemon_factory):
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    from tests.harness import temp_dir
+
+    out = temp_dir("omprobe-")  # pytest's own directories are root's alone
+    out.chmod(0o777)
+    # (the test's Python lives under /root, out of nobody's reach: the probe is sh, as a user may write)
+    d = daemon_factory(make_stack({"eng": f"""exec = ["sleep", "1000"]
+user = "nobody"
+liveness = {{ exec = ["sh", "-c", "echo $(id -u) $(id -g) >> {out / 'ids'}"], interval = 0.2, timeout = 5, failures = 1 }}
+stop_timeout = 2
+"""}))
+    pid = d.wait_state("eng", "active")["pid"]
+    ids = wait_for(lambda: (out / "ids").exists() and (out / "ids").read_text().split(), 15, "a probe to run")
+    assert ids[:2] == [str(nobody.pw_uid), str(nobody.pw_gid)], ids
+    assert d.unit("eng")["state"] == "active" and d.unit("eng")["pid"] == pid

@@ -180,13 +180,12 @@ def _python_hint(d: ProcessDump) -> str:
 
 
 def summarize(dumps: list[ProcessDump], missing: list[str], show: int = 4) -> str:
-    """One line: how many processes, where the first few were (D state first, then stopped
-    ones: a SIGSTOPped worker is the hang), what is missing."""
+    """One line: how many processes, where the first few were (D state first), what is missing."""
     if not dumps:
         text = "no process left to capture"
     else:
         order = sorted(dumps, key=lambda d: (d.state != "D" and not any(t.state == "D" for t in d.threads),
-                                             d.state not in ("T", "t"), d.why != "main"))
+                                             d.why != "main"))
         parts = []
         for d in order[:show]:
             stuck = next((t for t in d.threads if t.state == "D" and t.tid != d.pid), None)

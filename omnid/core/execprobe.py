@@ -22,6 +22,7 @@ import structlog
 
 from omnid import linux
 from omnid.core import spawning
+from omnid.core.centre import Centre
 from omnid.core.runtime import UnitRuntime
 from omnid.probes import ProbeFailed
 from omnid.process import ProcessHandle
@@ -49,7 +50,7 @@ def request(rt: UnitRuntime, argv: tuple[str, ...], token: str) -> SpawnRequest:
                         rlimits=tuple(spec.limits), path=spawning.program_path(argv[0], env, spec))
 
 
-async def run(sup, rt: UnitRuntime, argv: tuple[str, ...], timeout: float) -> None:
+async def run(sup: Centre, rt: UnitRuntime, argv: tuple[str, ...], timeout: float) -> None:
     """Run the probe once; returns when it passed, raises ProbeFailed saying why not. The
     probe and its process group are gone (killed, reaped by the spawner) when this returns
     or is cancelled, and no fd of it stays open here."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from omnid import probes, promtext
+from omnid.core.centre import Centre
 from omnid.core.lifecycle import Event, Phase, UnitState
 from omnid.core.runtime import UnitRuntime
 from omnid.unitmodel import Progress
@@ -82,7 +83,7 @@ async def scrape(rule: Progress) -> tuple[float | None, dict[str, float | None]]
     return got[rule.counter], {b: got[b] for b in rule.busy}
 
 
-async def watch(sup, rt: UnitRuntime) -> None:
+async def watch(sup: Centre, rt: UnitRuntime) -> None:
     """The progress monitor of an active unit (a task of the executor's, "progress")."""
     rule = rt.spec.progress
     assert rule is not None

@@ -413,7 +413,7 @@ class Daemon:
         units = self.sup.units.values()
         await self.sup.wait_until(lambda: not any(rt.phase is Phase.SPAWNING for rt in units), HEALTH_IMPORT_WAIT_S)
         health_mod = await asyncio.to_thread(importlib.import_module, "omnid.health")
-        self.health = health_mod.HealthServer(self.sup, self.cfg.health_listen, degraded=lambda: self.sup.degraded,
+        self.health = health_mod.HealthServer(self.sup, self.cfg.health_listen, degraded=lambda: self.sup.degraded_units(),
                                               gpu_usage=lambda: self.sup.gpu_mib,
                                               notify_counters=lambda: self.notify.counters if self.notify else {})
         self.health.daemon_metrics = self.metrics

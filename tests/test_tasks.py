@@ -33,11 +33,11 @@ def _live(pid: int) -> bool:
 def test_liveness_monitor_survives_a_probe_that_raises_an_unexpected_error(monkeypatch):
     calls = []
 
-    async def broken_probe(url, timeout):
+    async def broken_probe(url, timeout, **_request):
         calls.append(url)
         raise RuntimeError("injected probe bug")
 
-    monkeypatch.setattr(probes, "http_probe", broken_probe)
+    monkeypatch.setattr(probes, "http_check", broken_probe)  # the http form of liveness
     unit = insup.SLEEPER + 'liveness = { http = "http://127.0.0.1:9/", interval = 0.05, timeout = 0.2, failures = 2 }\n'
 
     async def body(sup):

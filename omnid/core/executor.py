@@ -69,7 +69,8 @@ class Works:
 
 
 # Tasks that live as long as a state, not a phase.
-_STATE_TASKS = {"ready": S.STARTING, "liveness": S.ACTIVE, "gone": S.STOPPING}
+_STATE_TASKS = {"ready": S.STARTING, "liveness": S.ACTIVE, "progress": S.ACTIVE, "ready-probe": S.ACTIVE,
+                "gone": S.STOPPING}
 
 
 class Executor:

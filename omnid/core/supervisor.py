@@ -223,7 +223,7 @@ class Supervisor:
             self.feed(rt, E.EXITED)
 
     def on_exit_report(self, rep: ExitReport) -> None:
-        if self.exits.already_read(rep.pid):
+        if self.exits.helper_exit(rep) or self.exits.already_read(rep.pid):
             return
         entry = self.by_pid.get(rep.pid)
         if entry is None:
@@ -389,18 +389,24 @@ class Supervisor:
 
     def snapshot(self) -> list[dict]:
         out = []
+        degraded = self.degraded_units()
         for n in self.order:
             snap = self.units[n].snapshot()
             if n in self.gpu_mib:
                 snap["gpu_mib"] = self.gpu_mib[n]
-            if n in self.degraded:
-                snap["degraded"] = self.degraded[n]
+            if n in degraded:
+                snap["degraded"] = degraded[n]
             if self.crosshost is not None and (group := self.crosshost.status(self.units[n])) is not None:
                 snap["group"] = group
             if self.cgroups:
                 snap.update(self.cgroups.snapshot(n))  # type: ignore[attr-defined]
             out.append(snap)
         return out
+
+    def degraded_units(self) -> dict[str, str]:
+        """Unit -> why the stack is degraded because of it: the GPU watch's findings, and
+        units whose readiness probe fails while they are active (core/monitors.py)."""
+        return {**self.degraded, **self.monitors.not_ready} if self.monitors.not_ready else self.degraded
 
     def draining(self) -> bool:
         """/health says "draining": a unit is draining, or the stack's drain_sec window is open."""

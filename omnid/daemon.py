@@ -386,7 +386,7 @@ class Daemon:
         signal), then a bounded wait for the kernel to confirm (FORCED_WAIT_S)."""
         assert self.sup is not None and self.force_stop is not None
         deadline, origin = self.stop_deadline()
-        log.info("stopping the stack", deadline_s=round(deadline, 1), deadline_from=origin)
+        log.info("stack stop deadline", deadline_s=round(deadline, 1), deadline_from=origin)
         stop = asyncio.get_running_loop().create_task(self.sup.requests.shutdown())
         forced = asyncio.get_running_loop().create_task(self.force_stop.wait())
         try:

@@ -242,7 +242,7 @@ def _parse_settings(file: Path, raw: Mapping[str, Any], directory: Path, errors:
         log_format=t.get("log_format", None, _choice(LogFormat)),
         cgroup_root=t.get("cgroup_root", None, path),
         drain_sec=t.get("drain_sec", None, _seconds(zero_ok=True)),
-        stop_deadline=t.get("stop_deadline", None, _seconds()),
+        stop_deadline=t.get("stop_deadline", None, _seconds(zero_ok=False)),
         cluster=parse_cluster(file, raw["cluster"], directory, errors) if "cluster" in raw else None,
         exit_when_failed=t.get("exit_when_failed", False, _boolean),
     )

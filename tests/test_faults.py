@@ -71,7 +71,7 @@ def test_an_action_that_raises_fails_its_unit_and_nothing_else(point, daemon_fac
     d.proc.send_signal(signal.SIGTERM)
     code = d.wait_exit(30)
     took = time.monotonic() - t0
-    stop = next(e for e in d.log_events() if e.get("event") == "stopping the stack" and "deadline_s" in e)
+    stop = next(e for e in d.log_events() if e.get("event") == "stack stop deadline")
     assert code == 0 and took < stop["deadline_s"], (code, took, stop, d.log()[-2000:])
     assert not any(e.get("event") == "stack stop forced: SIGKILL to every unit" for e in d.log_events())
     assert not tagged("victim") and not tagged("other")

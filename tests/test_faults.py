@@ -35,10 +35,11 @@ CASES = {
 
 
 def tagged(unit: str) -> list[int]:
-    """Live processes (not zombies) whose environment carries omnid's tag for `unit`."""
-    out = []
+    """Live processes (not zombies) of this test whose environment carries omnid's tag for `unit`."""
+    out, me = [], os.environ["OMNID_TEST_ID"]
     for name in os.listdir("/proc"):
-        if name.isdigit() and linux.read_environ_var(int(name), UNIT_TAG) == unit:
+        if name.isdigit() and linux.read_environ_var(int(name), UNIT_TAG) == unit \
+                and linux.read_environ_var(int(name), "OMNID_TEST_ID") == me:
             st = linux.read_stat(int(name))
             if st is not None and st.state not in ("Z", "X"):
                 out.append(int(name))

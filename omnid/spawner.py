@@ -351,6 +351,13 @@ class Spawner:
         self.reset_signals: tuple[int, ...] = ()
         self.devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
         self.compiled = _spawnc is not None and os.environ.get("OMNID_SPAWNER_PYTHON") != "1"
+        self._mounts: list[tuple[str, str]] | None = None  # this turn's mount table (may_hang)
+
+    def mounts(self) -> list[tuple[str, str]]:
+        """The mount table, read once per turn of the loop (a tier's spawns share one read)."""
+        if self._mounts is None:
+            self._mounts = _mounts()
+        return self._mounts
 
     # -- messages -------------------------------------------------------------
     def send(self, msg: dict, fds: list[int] | None = None) -> None:
@@ -421,7 +428,7 @@ class Spawner:
         placement = req.get("placement")
         # A path on a filesystem that may hang: a vfork would hold this loop until the child
         # execs, so such a spawn forks instead (and is bounded: expire_launches).
-        if self.compiled and may_hang(req) is None:
+        if self.compiled and may_hang(req, self.mounts()) is None:
             self.spawn_compiled(req, out_fd, errout_fd, placement)
             return
         err_r = err_w = -1
@@ -662,6 +669,7 @@ class Spawner:
         gc.freeze()
         timeout_ms: float | None = None
         while not self.stopping:
+            self._mounts = None  # mounts come and go between turns
             for fd, _ev in self.poller.poll(timeout_ms):
                 if fd == self.wake_r:
                     sigs = os.read(self.wake_r, 512)

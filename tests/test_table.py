@@ -346,3 +346,67 @@ def test_feed_moves_the_unit_keeps_its_cause_and_reason_and_hands_every_action_t
         assert (rt.state, rt.reason) == (S.FAILED, "internal error in Publish: RuntimeError: x")
 
     asyncio.run(main())
+
+
+# ------------------------------------------------------------ events fed by the running centre
+def test_the_running_centre_feeds_the_events_the_table_answers():
+    """By behaviour, not by reading source: a real Supervisor (real spawner and children)
+    records every event fed while units start, fail to spawn, are not ready, die, take
+    their dependent down, restart, are stopped past stop_timeout, and hit a bug. The rest
+    (watchdog, liveness, GPU, groups, capture, drain, kill_timeout, release) are fed in the
+    tests of those features (test_hang_kill, test_drain, test_groups, test_gpu_faults...)."""
+    import asyncio
+    import os
+    import signal
+    import sys
+
+    from omnid.core.faults import Faults
+    from tests import insup
+
+    stubborn = ("exec = " + repr([sys.executable, "-c", "import signal, time\n"
+                                  "signal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(1000)"])
+                .replace("'", '"') + "\nstop_timeout = 0.3\nkill_timeout = 2\n")
+    units = {
+        "base": 'exec = ["sleep", "1000"]\nrestart = "on-failure"\nrestart_sec = 0.1\n',
+        "dep": 'exec = ["sleep", "1000"]\nrequires = ["base"]\nrestart = "on-failure"\nrestart_sec = 0.1\n',
+        "bad": 'exec = ["/nonexistent/omnid-test"]\nrestart = "no"\n',
+        "slow": 'exec = ["sleep", "1000"]\nready = "notify"\nready_timeout = 0.5\ncapture_timeout = 0\n'
+                'restart = "no"\nstop_timeout = 1\n',
+        "stubborn": stubborn,
+        "buggy": 'exec = ["sleep", "1000"]\nrestart = "no"\n',
+    }
+    fed: list[Event] = []
+
+    async def body(sup):
+        real_feed = sup.feed
+
+        def recording(rt, event, detail=""):
+            fed.append(event)
+            real_feed(rt, event, detail)
+
+        sup.feed = recording  # type: ignore[method-assign]
+        sup.executor.faults = Faults("monitors", "buggy")
+        u = sup.units
+        await insup.until(lambda: u["base"].state is S.ACTIVE and u["dep"].state is S.ACTIVE
+                          and u["bad"].state is S.FAILED and u["slow"].state is S.FAILED
+                          and u["buggy"].state is S.FAILED and u["stubborn"].state is S.ACTIVE, 20, "the start", sup)
+        old = u["base"].proc.pid
+        os.kill(old, signal.SIGKILL)  # our spawner's unreaped child until its exit is reported
+        await insup.until(lambda: u["base"].state is S.ACTIVE and u["base"].proc.pid != old
+                          and u["dep"].state is S.ACTIVE, 20, "base and dep back", sup)
+        await insup.until(lambda: _ignores_term(u["stubborn"].proc.pid), 10, "stubborn ignoring SIGTERM", sup)
+        await sup.requests.stop_units(["stubborn"], 20)
+        assert u["stubborn"].state is S.INACTIVE and u["stubborn"].last_stop.escalated
+
+    insup.run(units, body)
+    expected = {E.START_REQUESTED, E.SPAWNED, E.SPAWN_FAILED, E.READY, E.NOT_READY, E.EXITED, E.DEPENDENCY_DOWN,
+                E.GONE, E.RESTART_DUE, E.STOP_REQUESTED, E.STOP_TIMEOUT, E.INTERNAL_ERROR}
+    assert expected <= set(fed), expected - set(fed)
+
+
+def _ignores_term(pid: int) -> bool:
+    import signal
+
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    return bool(mask & (1 << (signal.SIGTERM - 1)))

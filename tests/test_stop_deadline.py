@@ -93,3 +93,18 @@ def test_a_second_sigterm_during_a_stop_sigkills_every_unit_at_once(daemon_facto
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def test_a_bad_stop_deadline_is_named_with_its_file_and_key():
+    import pytest
+
+    from omnid.units import StackInvalid, load_stack
+
+    for value, says in (("-1", "stop_deadline: expected a number of seconds > 0"),
+                        ('"soon"', 'stop_deadline: expected a number of seconds > 0, got string "soon"')):
+        d = make_stack({"a": 'exec = ["sleep", "1"]\n'}, settings=f"stop_deadline = {value}\n")
+        with pytest.raises(StackInvalid) as err:
+            load_stack(d)
+        assert any(e.file.name == "omnid.toml" and says in str(e) for e in err.value.errors), err.value.errors
+    ok = load_stack(make_stack({"a": 'exec = ["sleep", "1"]\n'}, settings="stop_deadline = 90\n"))
+    assert ok.settings.stop_deadline == 90.0

@@ -207,7 +207,15 @@ def print_summary(summary: list[dict]) -> None:
         if r.get("gpu_held"):
             gpu = "HELD"
             residue = ("" if residue == "none" else residue + "; ") + "GPU: " + "; ".join(r["gpu_held"])
-        rows.append((r["unit"], r["signal"], secs, "SIGKILL" if r["escalated"] else "no", gpu, residue))
+        sent = r["signal"]
+        if r.get("to") == "main":  # kill_mode mixed / process: the main process first, then the rest
+            sent += " to main"
+            if r.get("rest"):
+                after = f" at {r['main_seconds']:.3f}s" if r.get("main_seconds") is not None else ""
+                sent += f", rest {r['rest']}{after}"
+        elif r.get("rest"):  # the main process exited by itself (a drain), then the rest
+            sent = f"rest {r['rest']}"
+        rows.append((r["unit"], sent, secs, "SIGKILL" if r["escalated"] else "no", gpu, residue))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     for row in rows:
         print("  ".join(c.ljust(widths[i]) for i, c in enumerate(row[:5])) + "  " + row[5])

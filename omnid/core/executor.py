@@ -41,7 +41,8 @@ S, P, E = UnitState, Phase, Event
 
 # Which event each timer feeds when it fires, and how long it runs.
 TIMER_EVENTS = {"ready_timeout": E.NOT_READY, "stop_timeout": E.STOP_TIMEOUT, "kill_timeout": E.KILL_TIMEOUT,
-                "capture_timeout": E.CAPTURED, "capture_due": E.CAPTURE_DUE, "drain_timeout": E.DRAINED}
+                "capture_timeout": E.CAPTURED, "capture_due": E.CAPTURE_DUE, "drain_timeout": E.DRAINED,
+                "leftover_timeout": E.STOP_TIMEOUT}
 EXIT_STATUS_WAIT_S = 2.0  # pidfd readable -> the spawner's exit report; then "status unknown"
 # A spawn request -> the spawner's answer, at most: the spawner's own bound from fork to exec
 # (omnid.spawner.SPAWN_EXEC_TIMEOUT_S, 10 s) and a margin. Past it the unit's spawn fails; a late
@@ -249,10 +250,12 @@ class Executor:
     def _signal(self, rt: UnitRuntime, a: Signal, ctx: Ctx) -> None:
         term = self._termination(rt, ctx)
         sig = rt.spec.stop_signal if a.sig == "stop_signal" else int(getattr(signal, a.sig))
-        if term.t0 and sig == signal.SIGKILL:
+        if a.to == "rest":
+            term.rest(sig, a.cont)
+        elif term.t0 and sig == signal.SIGKILL:
             term.escalate()
         else:
-            term.begin(sig, a.cont)
+            term.begin(sig, a.cont, main_only=a.to == "main")
         if self.sup.shutting_down:
             self.sup.stack_signalled = True
 
@@ -278,6 +281,8 @@ class Executor:
             delay, detail = spec.stop_timeout, ""
         elif a.which == "kill_timeout":
             delay, detail = spec.kill_timeout, ""
+        elif a.which == "leftover_timeout":  # the main process exited: its leftovers' grace
+            delay, detail = spec.leftover_timeout, f"leftovers still alive {spec.leftover_timeout:g} s after the stop signal"
         elif a.which == "capture_timeout":  # the capture bounds itself; this is the backstop
             delay, detail = capture_budget(spec) + 0.5, "capture bound reached"
         elif a.which == "capture_due":  # early enough that the capture ends by stop_timeout

@@ -122,8 +122,28 @@ class ControlHandlers:
         if names is None:
             raise ControlError("bad_request", "restart needs \"units\"")
         self.known(names)
+        if args.get("dry_run"):
+            return {"dry_run": True, "plan": self.restart_plan(names)}
         units = await self.sup.requests.restart_units(names, timeout_arg(args))
         return {"ok": all(u["state"] == "active" for u in units), "units": units}
+
+    def restart_plan(self, names: list[str]) -> list[dict]:
+        """What a restart of `names` stops and starts again, each unit with why, in start
+        order: the named units, the rest of their worker groups, then the units that require
+        one of them (directly or through others) and are up now (`omnid restart` prints it
+        before it acts, as systemctl lists the jobs a transaction pulls in)."""
+        sup = self.sup
+        named = sup.expand(names, whole_groups=False)
+        targets = sup.expand(names)
+        out = [{"unit": n, "why": "named"} for n in named]
+        out += [{"unit": n, "why": f"worker group {sup.units[n].spec.worker_group}: its ranks restart together"}
+                for n in targets if n not in named]
+        going = set(targets)
+        for n in sorted(sup.requests.dependents_up(targets), key=sup.order.index):
+            reqs = [r for r in sup.units[n].spec.requires if any(u.name in going for u in sup.stack.resolve(r))]
+            out.append({"unit": n, "why": f"requires {', '.join(reqs)}: stopped before it, started after it"})
+            going.add(n)
+        return out
 
     async def handle_kill(self, args: dict) -> dict:
         unit = unit_arg(args, "kill")

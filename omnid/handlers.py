@@ -89,6 +89,12 @@ class ControlHandlers:
                                                "events": {"subscriptions": d.control.subscriptions
                                                           if d.control else 0},
                                                **d.identity(),
+                                               # `omnid status`'s first lines: the verdict /health
+                                               # gives, and the start order to group units by
+                                               "health": self.health_verdict(),
+                                               "health_listen": d.cfg.health_listen,
+                                               "tiers": [[u.name for u in t] for t in sup.stack.tiers()],
+                                               "down_because": self.down_because(),
                                                **({"handover_error": d.handover_error} if d.handover_error
                                                   else {})}}
         if args.get("verify"):
@@ -99,6 +105,41 @@ class ControlHandlers:
                 problems = sup.verify()
             out["verify"] = {"ok": not problems, "problems": problems,
                              "invariant_violations": list(sup.invariant_violations)}
+        return out
+
+    def health_verdict(self) -> str:
+        """What GET /health says now (ok, starting, degraded, failed, draining, stopping)."""
+        from omnid import health
+
+        sup = self.sup
+        return health.overall(sup, sup.degraded, health.gpu_view(sup))
+
+    def down_because(self) -> dict[str, str]:
+        """{unit: the failed unit it requires (directly or through others)} for each unit that
+        wants to run and is not up because a requirement failed: `omnid status`'s root cause."""
+        from omnid.core.lifecycle import Goal, UnitState
+
+        sup = self.sup
+
+        def failed_under(name: str, seen: set[str]) -> str | None:
+            for r in sup.units[name].spec.requires:
+                for req in sup.stack.resolve(r):
+                    if req.name in seen:
+                        continue
+                    seen.add(req.name)
+                    if sup.units[req.name].state is UnitState.FAILED:
+                        return req.name
+                    found = failed_under(req.name, seen)
+                    if found:
+                        return found
+            return None
+
+        out = {}
+        for rt in sup.units.values():
+            if rt.goal is Goal.ACTIVE and rt.state in (UnitState.INACTIVE, UnitState.STOPPING):
+                cause = failed_under(rt.name, {rt.name})
+                if cause:
+                    out[rt.name] = cause
         return out
 
     async def handle_start(self, args: dict) -> dict:

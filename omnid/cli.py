@@ -430,7 +430,7 @@ def cmd_status(a: argparse.Namespace) -> int:
             lines = client.call("logs", {"unit": u["name"], "n": a.lines}, timeout=10).get(u["name"], [])
             print_unit_detail(u, lines)
     else:
-        print_status(result["units"], result.get("daemon", {}))
+        print_status(result["units"], result.get("daemon", {}), full=a.full)
     if not a.json:
         print_gpu(result.get("daemon", {}).get("gpu"))
     if a.verify:
@@ -717,6 +717,8 @@ def build_parser() -> argparse.ArgumentParser:
     stat.add_argument("unit_names", nargs="*", metavar="UNIT", help="units to show in detail")
     stat.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
     stat.add_argument("--verify", action="store_true", help="check every unit's state against /proc")
+    stat.add_argument("-l", "--full", action="store_true",
+                      help="on a terminal, do not cut table rows at its width (into a pipe they never are)")
     stat.add_argument("-n", "--lines", type=_non_negative_int, default=10, metavar="N",
                       help="log lines in the detail view (default 10)")
     stat.set_defaults(func=cmd_status)

@@ -132,7 +132,8 @@ def _row(u: dict, use: tuple[int, float, int] | None) -> list[str]:
 
 
 def print_units(units: list[dict], *, usage: bool = True, colour: bool | None = None,
-                tiers: list[list[str]] | None = None, because: dict[str, str] | None = None) -> None:
+                tiers: list[list[str]] | None = None, because: dict[str, str] | None = None,
+                width_limit: int | None = None) -> None:
     """The systemctl-like table: state, ready, pid, uptime, memory, CPU, tasks, GPU memory,
     restarts (automatic ones), last exit, reason. With `tiers` (the start order), units
     are grouped by tier, the tier's number on its first row."""
@@ -159,9 +160,14 @@ def print_units(units: list[dict], *, usage: bool = True, colour: bool | None = 
         out = [c.ljust(4) for c in first] + [name.ljust(name_w)]
         for (_, width), c in zip(_COLUMNS, cells):
             out.append(c.ljust(width))
-        if state is not None:
-            out[len(first) + 1] = colour_state(out[len(first) + 1], state, colour)
-        return ("  ".join(out) + "  " + cells[-1]).rstrip()
+        text = ("  ".join(out) + "  " + cells[-1]).rstrip()
+        if width_limit and len(text) > width_limit:  # on a terminal, as systemctl: cut, never wrap
+            text = text[:width_limit - 1] + "…"
+        if state is not None and colour:  # the STATE cell, coloured after the cut (escapes take no room)
+            at = sum(len(c) + 2 for c in out[:len(first) + 1])
+            cell = text[at:at + len(out[len(first) + 1])]
+            text = text[:at] + colour_state(cell, state, True) + text[at + len(cell):]
+        return text
 
     print(line(lead, "UNIT", [h for h, _ in _COLUMNS] + ["REASON"], None))
     for tier, members in groups:
@@ -211,8 +217,12 @@ def verdict_lines(units: list[dict], daemon: dict, *, colour: bool) -> list[str]
         lines.append(f"{dot} {word}: {name}: {why}")
     else:
         pending = [u for u in units if not (u["state"] == "active" and u.get("ready"))]
-        what = ", ".join(f"{u['name']} ({u['state'] if u['state'] != 'active' else 'not ready'})"
-                         for u in pending[:4]) + (f" and {len(pending) - 4} more" if len(pending) > 4 else "")
+        def doing(u: dict) -> str:
+            if u.get("goal") == "inactive":
+                return "stopped by request" if u["state"] == "inactive" else "stopping by request"
+            return u["state"] if u["state"] != "active" else "not ready"
+
+        what = ", ".join(f"{u['name']} ({doing(u)})" for u in pending[:4]) + (f" and {len(pending) - 4} more" if len(pending) > 4 else "")
         lines.append(f"{dot} {word}: {len(pending)} of {n} units not up: {what}" if pending
                      else f"{dot} {word}")
     tally = ", ".join(f"{counts[s]} {s}" for s in ("active", "starting", "stopping", "inactive", "failed")
@@ -239,13 +249,18 @@ def _verdict(units: list[dict]) -> str:
     return "ok" if all(u["state"] == "active" and u.get("ready") for u in units) else "starting"
 
 
-def print_status(units: list[dict], daemon: dict, *, colour: bool | None = None) -> None:
-    """`omnid status`: the verdict and its cause on top, then the units grouped by tier."""
+def print_status(units: list[dict], daemon: dict, *, colour: bool | None = None, full: bool = False) -> None:
+    """`omnid status`: the verdict and its cause on top, then the units grouped by tier. On a
+    terminal, table rows are cut at its width (`full`: never); into a pipe never."""
+    import shutil
+
     colour = use_colour() if colour is None else colour
     for line in verdict_lines(units, daemon, colour=colour):
         print(line)
     print()
-    print_units(units, colour=colour, tiers=daemon.get("tiers"), because=daemon.get("down_because"))
+    limit = None if full or not sys.stdout.isatty() else shutil.get_terminal_size().columns
+    print_units(units, colour=colour, tiers=daemon.get("tiers"), because=daemon.get("down_because"),
+                width_limit=limit)
 
 
 def group_line(g: dict) -> str:

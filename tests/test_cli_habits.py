@@ -421,6 +421,14 @@ def test_status_first_screen_says_the_verdict_and_root_cause_then_units_by_tier(
     assert "\x1b[" in tty and "FAILED" not in out2.splitlines()[0], tty
     plain = _on_a_terminal(["--control", d.control, "status"], {"NO_COLOR": "1"})
     assert "\x1b[" not in plain and "TIER" in plain, plain
+    # On a narrow terminal table rows are cut at its width, as systemctl does; -l shows them whole.
+    narrow = _on_a_terminal(["--control", d.control, "status"], {"NO_COLOR": "1", "COLUMNS": "70"})
+    table = narrow.splitlines()[narrow.splitlines().index(next(ln for ln in narrow.splitlines()
+                                                                if ln.startswith("TIER"))):]
+    assert all(len(ln) <= 70 for ln in table) and any(ln.endswith("…") for ln in table), narrow
+    full = _on_a_terminal(["--control", d.control, "status", "-l"], {"NO_COLOR": "1", "COLUMNS": "70"})
+    assert "(was failed: exited with code 3" in full and not any(ln.endswith("…") for ln in full.splitlines()), full
+    assert "cache (stopped by request)" in full.splitlines()[0], full
 
 
 def test_status_of_a_healthy_stack_says_ok_first(daemon_factory):

@@ -295,8 +295,16 @@ def cmd_start(a: argparse.Namespace) -> int:
     print_units(units)
     if not result["ok"]:
         bad = [u for u in units if u["state"] != "active"]
+        because: dict = {}
+        if any(not u["reason"] for u in bad):  # never started: the failed unit it requires says why
+            try:
+                because = client.call("status", {}, timeout=5)["daemon"].get("down_because") or {}
+            except CliError:
+                pass
         for u in bad:
-            print(f"omnid: {u['name']} is {u['state']}: {u['reason'] or 'no reason recorded'}", file=sys.stderr)
+            why = u["reason"] or (f"not started: requires {because[u['name']]}, which failed"
+                                  if u["name"] in because else "no reason recorded")
+            print(f"omnid: {u['name']} is {u['state']}: {why}", file=sys.stderr)
         return EXIT_FAILED
     untouched = [u["name"] for u in units if launched is None and before.get(u["name"], {}).get("state") == "active"
                  and before[u["name"]].get("pid") == u.get("pid")]

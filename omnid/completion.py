@@ -158,6 +158,10 @@ def zsh_script(parser: argparse.ArgumentParser) -> str:
 def print_units(control: str) -> int:
     """`omnid __complete units`: instance and template names of the running stack, one a line.
     Quiet: a shell is waiting, so a short deadline, and nothing at all when nothing answers."""
+    import os
+
+    if not os.path.exists(control):  # no daemon: answer before importing the client (asyncio, zmq)
+        return 0
     from omnid.client import CliError, Client
 
     try:

@@ -301,7 +301,7 @@ def print_unit_detail(u: dict, lines: list[dict], *, colour: bool | None = None)
         print(f"  GPU free: {u['gpu_release_ms']:.0f} ms after the last stop or failure")
     if u.get("group"):
         print(f"     Group: {group_line(u['group'])}")
-    print(f"  Restarts: {u['restarts']}" + (" (gave up)" if u.get("gave_up") else ""))
+    print(f"  Restarts: {u['restarts']} automatic" + (" (gave up)" if u.get("gave_up") else ""))
     if u.get("last_exit"):
         print(f" Last exit: {u['last_exit']}")
     if u.get("reason"):

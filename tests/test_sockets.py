@@ -7,20 +7,17 @@ daemon and in the unit."""
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import selectors
 import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from omnid.units import check_stack
+from tests.clients import Clients
 from tests.harness import REPO, free_port, make_stack, repo_pythonpath, wait_for
 
 PY = sys.executable
@@ -57,110 +54,6 @@ def read_report(path: Path, pid: int | None = None, timeout: float = 15.0) -> di
 def omnid(d, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", "omnid", "--control", d.control, *args], capture_output=True, text=True,
                           timeout=timeout, cwd=str(REPO), env=dict(os.environ, PYTHONPATH=repo_pythonpath()))
-
-
-class Clients:
-    """Connections opened at `rate` a second from one thread (non-blocking: a connection that
-    waits in a backlog does not slow the next), each reading the server's one-line answer.
-    Counts: refused (ECONNREFUSED), answered, and anything else (reset, timeout)."""
-
-    def __init__(self, port: int, rate: float = 500.0, host: str = "127.0.0.1", answer_timeout: float = 20.0,
-                 http: bool = False) -> None:
-        self.addr = (host, port)
-        self.http = http  # send a GET, read the response to EOF, its body is the pid
-        self.rate = rate
-        self.answer_timeout = answer_timeout
-        self.refused = self.answered = self.attempts = 0
-        self.other: list[str] = []
-        self.pids: set[int] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> "Clients":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(self.answer_timeout + 10)
-
-    def counts(self) -> dict:
-        return {"attempts": self.attempts, "refused": self.refused, "answered": self.answered,
-                "other": len(self.other), "other_examples": sorted(set(self.other))[:5], "pids": len(self.pids)}
-
-    def _run(self) -> None:
-        sel = selectors.DefaultSelector()
-        period = 1.0 / self.rate
-        next_at = time.monotonic()
-        open_: dict[socket.socket, tuple[float, bytes]] = {}
-        try:
-            while not self._stop.is_set() or open_:
-                now = time.monotonic()
-                if not self._stop.is_set() and now >= next_at:
-                    next_at += period
-                    self.attempts += 1
-                    s = socket.socket()
-                    s.setblocking(False)
-                    rc = s.connect_ex(self.addr)
-                    if rc == errno.ECONNREFUSED:
-                        self.refused += 1
-                        s.close()
-                    elif rc in (0, errno.EINPROGRESS):
-                        open_[s] = (now, b"")
-                        sel.register(s, selectors.EVENT_WRITE if self.http else selectors.EVENT_READ)
-                    else:
-                        self.other.append(f"connect: {errno.errorcode.get(rc, rc)}")
-                        s.close()
-                for key, _ in sel.select(timeout=max(0.0, min(period, next_at - time.monotonic()))):
-                    s = key.fileobj
-                    since, got = open_[s]
-                    if key.events & selectors.EVENT_WRITE:
-                        err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                        if err == 0:
-                            s.send(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")  # a few bytes: the buffer takes them
-                            sel.modify(s, selectors.EVENT_READ)
-                            continue
-                        if err == errno.ECONNREFUSED:
-                            self.refused += 1
-                        else:
-                            self.other.append(f"connect: {errno.errorcode.get(err, err)}")
-                        sel.unregister(s)
-                        s.close()
-                        del open_[s]
-                        continue
-                    try:
-                        chunk = s.recv(4096)
-                    except ConnectionRefusedError:
-                        self.refused += 1
-                        chunk = None
-                    except OSError as exc:
-                        self.other.append(f"recv: {exc}")
-                        chunk = None
-                    if chunk:
-                        got += chunk
-                        if self.http or not got.endswith(b"\n"):
-                            open_[s] = (since, got)
-                            continue
-                        self.answered += 1
-                        self.pids.add(int(got))
-                    elif chunk == b"" and self.http and got.startswith(b"HTTP/1.") and b" 200 " in got[:16]:
-                        self.answered += 1
-                        self.pids.add(int(got.rpartition(b"\r\n\r\n")[2]))
-                    elif chunk == b"":
-                        self.other.append(f"closed without an answer: {got[:60]!r}")
-                    sel.unregister(s)
-                    s.close()
-                    del open_[s]
-                for s, (since, _) in list(open_.items()):
-                    if time.monotonic() - since > self.answer_timeout:
-                        self.other.append("no answer in time")
-                        sel.unregister(s)
-                        s.close()
-                        del open_[s]
-        finally:
-            for s in open_:
-                s.close()
-            sel.close()
 
 
 def unit_toml(report: Path, port: int, *, held: bool = True, extra: str = "", args: str = "") -> str:
@@ -399,7 +292,7 @@ def test_gunicorn_on_a_held_socket_restarted_under_load_refuses_nothing(daemon_f
     d.wait_state("g", "active")
     # 200 a second: what two sync workers keep up with on a shared 2-core test machine (at
     # 500 the backlog itself overflows, restart or not, which is not what this measures).
-    with Clients(port, rate=200, http=True) as clients:
+    with Clients(port, rate=200, http="/") as clients:
         wait_for(lambda: clients.answered > 20, 30, f"gunicorn answering (log:\n{d.log()[-2000:]})")
         for _ in range(5):
             assert d.ok("restart", {"units": ["g"]}, timeout=60)["ok"]

@@ -12,8 +12,7 @@ refuses no connection: they wait in its backlog for the next process.
   with the reason (the readiness probe of the unit);
 - ``POST /drain`` -> stop taking work: new requests are refused at once (503
   ``serve_draining``), the accepted ones finish; answers 200 once none is left
-  (omnid's `drain` hook: the stop signal comes after). On held sockets it also stops
-  accepting: new connections wait in the backlog for the next process instead.
+  (omnid's `drain` hook: the stop signal comes after).
 
 Failure behaviour (FAILURE_MATRIX "fails fast"): no request ever waits for the
 client's own timeout. When the engine's connection closes (socket monitor) or
@@ -246,7 +245,6 @@ class ServeApp:
         self.engine = engine
         self.stopping: str | None = None
         self.draining = False
-        self.on_drain: Callable[[], Any] | None = None  # stops accepting on held sockets
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -258,8 +256,6 @@ class ServeApp:
         """Stop taking work; answer once every accepted request is answered."""
         self.draining = True
         log.info("%s draining: %d request(s) in flight", self.config.unit, self.in_flight)
-        if self.on_drain is not None:
-            await self.on_drain()
         started = time.monotonic()
         await self._idle.wait()
         return web.json_response({"status": "drained", "seconds": round(time.monotonic() - started, 3)})
@@ -333,6 +329,7 @@ def held_sockets() -> list[socket.socket]:
 
 # asyncio's create_server(sock=...) calls listen() again: ask for no less than omnid's default.
 HELD_BACKLOG = 1024
+STOP_SETTLE_S = 0.5  # at a stop signal: longest wait for accepted connections to be answered (503)
 
 
 async def serve_forever(config: ServeConfig) -> int:
@@ -373,13 +370,20 @@ async def serve_forever(config: ServeConfig) -> int:
         await engine.close()
         return 1
 
-    async def stop_accepting() -> None:
+    async def stop_accepting(settle_s: float = 0.0) -> None:
         for site in sites:
             await site.stop()
         sites.clear()
+        # asyncio accepts a whole backlog's worth at once: connections taken but not read yet
+        # are answered before the process goes, not reset (on a held socket the rest of the
+        # backlog waits for the next process).
+        # A batch accepted in the loop's last turn becomes connections only once its tasks run.
+        deadline = loop.time() + settle_s
+        if settle_s:
+            await asyncio.sleep(min(settle_s, 0.05))
+        while runner.server is not None and runner.server.connections and loop.time() < deadline:
+            await asyncio.sleep(0.01)
 
-    if held:
-        serve.on_drain = stop_accepting
     notifier = Notifier.from_env()  # only used when the unit says ready = "notify"
     notifier.ready(status=f"listening on {where}")
     log.info("%s listening on %s, engine %s", config.unit, where, config.engine)
@@ -391,6 +395,7 @@ async def serve_forever(config: ServeConfig) -> int:
     notifier.stopping()
     await stop_accepting()  # first, so no new request slips in behind the failures
     engine.fail_all("serve_stopping", f"{config.unit} stopping ({why})")
+    await stop_accepting(settle_s=STOP_SETTLE_S)  # what was accepted is answered (503), not reset
     await runner.cleanup()
     await engine.close()
     notifier.close()

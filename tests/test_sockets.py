@@ -302,3 +302,41 @@ def test_gunicorn_on_a_held_socket_restarted_under_load_refuses_nothing(daemon_f
     print(f"\ngunicorn, 5 restarts: {counts}")
     assert counts["refused"] == 0 and counts["other"] == 0, counts
     assert counts["pids"] >= 2 * 6 - 1, counts  # two workers per start: new processes every time
+
+
+def test_a_unix_socket_file_left_over_is_replaced_a_live_one_or_a_plain_file_is_an_error(tmp_path):
+    from omnid.sockets import BindError, HeldSockets
+    from omnid.unitmodel import ListenSocket, Unit
+
+    def unit(path: Path) -> Unit:
+        return Unit(name="u", template="u", instance=0, instances=1, file=tmp_path / "u.toml", exec=("true",),
+                    sockets=(ListenSocket(listen=str(path), name="ctl", mode=0o600),))
+
+    held = HeldSockets()
+    try:
+        stale = tmp_path / "stale.sock"
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(stale))
+        s.close()  # the file stays, nothing listens: a leftover
+        fds, names = held.fds_for(unit(stale))
+        assert names == ["ctl"] and os.stat(stale).st_mode & 0o777 == 0o600
+        with socket.socket(fileno=os.dup(fds[0])) as copy:
+            assert copy.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+
+        live = tmp_path / "live.sock"
+        other = socket.socket(socket.AF_UNIX)
+        other.bind(str(live))
+        other.listen(1)
+        try:
+            with pytest.raises(BindError, match=r"sockets\[0\]: cannot listen on .*live.sock: address in use"):
+                held.fds_for(unit(live))
+        finally:
+            other.close()
+        plain = tmp_path / "plain"
+        plain.write_text("data")
+        with pytest.raises(BindError, match=r"sockets\[0\]: cannot listen on .*plain: EEXIST"):
+            held.fds_for(unit(plain))
+        assert plain.read_text() == "data"  # never removed
+    finally:
+        held.close_all()
+    assert not stale.exists(), "the daemon removes the socket file it made"

@@ -14,6 +14,7 @@ cancelled (the child would be lost): its outcome is always fed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import time
 from collections.abc import Callable, Coroutine
@@ -30,6 +31,7 @@ from omnid.core.lifecycle import (Action, ArmTimer, Capture, CountStart, DecideR
                                   UnitState, WaitRelease, WatchGone, WatchReady)
 from omnid.core.runtime import UnitRuntime
 from omnid.process import ProcessHandle
+from omnid.sockets import BindError
 from omnid.spawnclient import SpawnError
 from omnid.tasks import unit_task
 from omnid.termination import ProcessGroupTarget, Target, Termination, terminate
@@ -185,9 +187,20 @@ class Executor:
         if residue is not None:  # what an unkillable previous instance left in its cgroup
             log.warning("killing residue in a unit's cgroup before its start", unit=rt.name, cgroup=residue.path)
             await terminate(residue, signal.SIGKILL, spec.kill_timeout, 0.0, send_cont=False)
+        extra = groups.environment(sup, rt)
+        listen: list[int] = []
+        if spec.sockets:
+            try:  # bound before the unit's first start, held from then on (omnid.sockets)
+                listen, names = sup.sockets.fds_for(spec)
+            except BindError as exc:
+                sup.feed(rt, E.SPAWN_FAILED, str(exc))
+                return
+            extra = {**extra, "LISTEN_FDS": str(len(listen)), "LISTEN_FDNAMES": ":".join(names)}
         try:
-            env = spawning.environ(spec, sup.notify_socket, sup.token, groups.environment(sup, rt))
+            env = spawning.environ(spec, sup.notify_socket, sup.token, extra)
             prep = spawning.prepare(spec, env=env, cgroups=sup.cgroups)
+            if listen:
+                prep.request = dataclasses.replace(prep.request, listen_fds=tuple(listen))
         except spawning.CannotSpawn as exc:
             self._cgroup_done(rt)
             sup.feed(rt, E.SPAWN_FAILED, str(exc))

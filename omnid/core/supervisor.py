@@ -34,6 +34,7 @@ from omnid.core.runtime import RestartBook, UnitRuntime
 from omnid.core.schedule import Schedule
 from omnid.output import UnitOutput
 from omnid.process import ProcessHandle
+from omnid.sockets import HeldSockets
 from omnid.spawnclient import ExitReport, SpawnerClient
 from omnid.tasks import report_crash
 from omnid.units import Stack
@@ -83,6 +84,7 @@ class Supervisor:
         self.requests = OperatorRequests(self)
         self.reloader = Reloader(self)
         self.crosshost = None  # omnid.core.crosshost.CrossHost, set by the daemon with [cluster]
+        self.sockets = HeldSockets()  # units' listening sockets, held across their restarts
         self._queue: collections.deque[tuple[UnitRuntime, Event, str]] = collections.deque()
         self._feeding = False
         self._converge_pending = False

@@ -48,12 +48,14 @@ class StopRecord:
     gpu_release_ms: float | None = None
     gpu_held: list[str] = field(default_factory=list)  # GPU memory still held at the deadline
     was: str = ""  # state before the stop
+    ipc_removed: list[str] = field(default_factory=list)  # IPC objects of the unit removed (omnid.ipc)
 
     def to_json(self) -> dict:
         # Not dataclasses.asdict: it deep-copies, and a 256-unit summary is on the stop path.
         return {"unit": self.unit, "signal": self.signal, "seconds": self.seconds, "escalated": self.escalated,
                 "residue": list(self.residue), "unkillable": list(self.unkillable),
-                "gpu_release_ms": self.gpu_release_ms, "gpu_held": list(self.gpu_held), "was": self.was}
+                "gpu_release_ms": self.gpu_release_ms, "gpu_held": list(self.gpu_held), "was": self.was,
+                "ipc_removed": list(self.ipc_removed)}
 
     @classmethod
     def from_json(cls, d: dict) -> StopRecord:
@@ -61,7 +63,8 @@ class StopRecord:
                    seconds=None if d["seconds"] is None else float(d["seconds"]), escalated=bool(d["escalated"]),
                    residue=[str(x) for x in d["residue"]], unkillable=[str(x) for x in d["unkillable"]],
                    gpu_release_ms=None if d["gpu_release_ms"] is None else float(d["gpu_release_ms"]),
-                   gpu_held=[str(x) for x in d["gpu_held"]], was=str(d["was"]))
+                   gpu_held=[str(x) for x in d["gpu_held"]], was=str(d["was"]),
+                   ipc_removed=[str(x) for x in d.get("ipc_removed", [])])
 
 
 class Target(Protocol):

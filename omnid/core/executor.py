@@ -25,6 +25,7 @@ import structlog
 from omnid import linux
 from omnid.cgroup import CgroupTarget
 from omnid.core import groups, policy, spawning
+from omnid.core.cleanup import CannotPrepare
 from omnid.core.lifecycle import (Action, ArmTimer, Capture, CountStart, DecideRestart, Drain, Event, Phase,
                                   Publish, RecordFailure, Release, ReportUnkillable, Signal, Spawn, StartMonitors,
                                   UnitState, WaitRelease, WatchGone, WatchReady)
@@ -85,6 +86,7 @@ class Executor:
         }
         self.captures = None  # omnid.capturestore.CaptureStore, when the daemon keeps captures
         self.drains = None  # omnid.core.drain.Drains
+        self.cleanup = None  # omnid.core.cleanup.UnitCleanup: private tmp and IPC residue, when the daemon runs
 
     def of(self, rt: UnitRuntime) -> Works:
         w = self.works.get(rt.name)
@@ -173,9 +175,12 @@ class Executor:
             log.warning("killing residue in a unit's cgroup before its start", unit=rt.name, cgroup=residue.path)
             await terminate(residue, signal.SIGKILL, spec.kill_timeout, 0.0, send_cont=False)
         try:
-            env = spawning.environ(spec, sup.notify_socket, sup.token, groups.environment(sup, rt))
+            extra = groups.environment(sup, rt)
+            if self.cleanup is not None:  # the previous instance's leftovers gone; TMPDIR
+                extra = {**await self.cleanup.before_spawn(rt), **extra}
+            env = spawning.environ(spec, sup.notify_socket, sup.token, extra)
             prep = spawning.prepare(spec, env=env, cgroups=sup.cgroups)
-        except spawning.CannotSpawn as exc:
+        except (spawning.CannotSpawn, CannotPrepare) as exc:
             self._cgroup_done(rt)
             sup.feed(rt, E.SPAWN_FAILED, str(exc))
             return
@@ -191,6 +196,8 @@ class Executor:
             prep.close_write_ends()
         rt.spawn_errno = None
         h = ProcessHandle(unit=rt.name, pid=sp.pid, pidfd=sp.pidfd, pgid=sp.pid, start_time=sp.start_time)
+        if self.cleanup is not None:
+            self.cleanup.spawned(rt, sp.pid)
         rt.output.attach(prep.out_r, prep.err_r)
         sup.adopt(rt, h)
         rt.ready_deadline = time.monotonic() + spec.ready_timeout
@@ -268,6 +275,8 @@ class Executor:
         await term.sweep(rt.spec.kill_timeout)
         if self.sup.cgroups:
             self.sup.cgroups.release(rt.name)
+        if self.cleanup is not None:  # before GONE: the stop summary names what was removed
+            await self.cleanup.gone(rt, term.rec)
         self.sup.feed(rt, E.GONE)
 
     def _capture(self, rt: UnitRuntime, a: Capture, ctx: Ctx) -> None:
@@ -374,6 +383,8 @@ class Executor:
             self.sup.disown(rt, h)
         rt.output.detach()
         self._cgroup_done(rt)
+        if self.cleanup is not None:
+            self.cleanup.released(rt)
 
     def _publish(self, rt: UnitRuntime, a: Publish, ctx: Ctx) -> None:
         self.sup.published(rt, ctx.prev_state, ctx.event, ctx.pid)

@@ -92,11 +92,15 @@ class IpcBook:
         self.token = token
         self._lock = threading.Lock()
         self.units: dict[str, UnitIpc] = {}
+        self._pid_unit: dict[int, str] = {}  # the pids recorded for live instances
         self.unattributed = 0  # creators that were gone, or not ours, when their event was read
 
     def begin(self, unit: str, uid: int) -> None:
         """A new instance of `unit` is about to be spawned: a fresh record."""
         with self._lock:
+            old = self.units.get(unit)
+            if old is not None:
+                self._forget(old)
             self.units[unit] = UnitIpc(unit, uid, time.time())
 
     def add_pid(self, unit: str, pid: int) -> None:
@@ -104,10 +108,22 @@ class IpcBook:
             u = self.units.get(unit)
             if u is not None and len(u.pids) < MAX_PIDS:
                 u.pids.add(pid)
+                self._pid_unit[pid] = unit
+
+    def _forget(self, u: UnitIpc) -> None:
+        for p in u.pids:
+            if self._pid_unit.get(p) == u.unit:
+                del self._pid_unit[p]
 
     def created(self, pid: int, name: str) -> None:
-        """An entry appeared in /dev/shm, made by pid (the fanotify thread)."""
-        tag = _unit_of(pid, self.token)
+        """An entry appeared in /dev/shm, made by pid (the fanotify thread). A pid recorded
+        for a live instance (its main process) is the unit's even when it died before the
+        event was read (a SIGKILL right after the creation); any other creator is proven by
+        its environment, read now."""
+        with self._lock:
+            tag = self._pid_unit.get(pid)
+        if tag is None:
+            tag = _unit_of(pid, self.token)
         if tag is None:
             self.unattributed += 1
             return
@@ -121,6 +137,7 @@ class IpcBook:
                 return
             if len(u.pids) < MAX_PIDS:
                 u.pids.add(pid)
+                self._pid_unit[pid] = tag
             if name in u.shm or len(u.shm) < MAX_OBJECTS:
                 u.shm[name] = st.st_ino
             else:
@@ -128,7 +145,10 @@ class IpcBook:
 
     def take(self, unit: str) -> UnitIpc | None:
         with self._lock:
-            return self.units.pop(unit, None)
+            u = self.units.pop(unit, None)
+            if u is not None:
+                self._forget(u)
+            return u
 
     def handover(self) -> dict:
         with self._lock:
@@ -171,6 +191,7 @@ class ShmWatch:
         self.fd = -1
         self._stop_r = self._stop_w = -1
         self._thread: threading.Thread | None = None
+        self._read = threading.Lock()  # the listener's thread and drain() both read the queue
         self.events = 0
         self.overflows = 0
 
@@ -195,10 +216,11 @@ class ShmWatch:
             return
         os.write(self._stop_w, b"x")
         self._thread.join(timeout=2.0)
-        for fd in (self.fd, self._stop_r, self._stop_w):
-            os.close(fd)
+        with self._read:
+            for fd in (self.fd, self._stop_r, self._stop_w):
+                os.close(fd)
+            self.fd = -1
         self._thread = None
-        self.fd = -1
 
     def _run(self) -> None:
         poller = select.poll()
@@ -208,23 +230,34 @@ class ShmWatch:
             ready = {fd for fd, _ in poller.poll()}
             if self._stop_r in ready:
                 return
-            try:
-                buf = os.read(self.fd, 65536)
-            except BlockingIOError:
-                continue
-            except OSError as exc:
-                log.error("reading fanotify events failed; POSIX IPC no longer attributed", error=str(exc))
+            if not self.drain():
                 return
-            try:
-                for pid, name in parse_events(buf):
-                    self.events += 1
-                    if name is None:
-                        self.overflows += 1
-                        log.warning("fanotify queue overflow: some /dev/shm entries are not attributed")
-                        continue
-                    self.book.created(pid, name)
-            except Exception:  # noqa: BLE001 - the listener must outlive a malformed event; said once each
-                log.exception("a fanotify event could not be read")
+
+    def drain(self) -> bool:
+        """Read and attribute every event queued now (the listener's loop; and the removal,
+        so that what a unit created just before it died is in its record). False when the
+        queue cannot be read any more."""
+        with self._read:
+            if self.fd < 0:
+                return False
+            while True:
+                try:
+                    buf = os.read(self.fd, 65536)
+                except BlockingIOError:
+                    return True
+                except OSError as exc:
+                    log.error("reading fanotify events failed; POSIX IPC no longer attributed", error=str(exc))
+                    return False
+                try:
+                    for pid, name in parse_events(buf):
+                        self.events += 1
+                        if name is None:
+                            self.overflows += 1
+                            log.warning("fanotify queue overflow: some /dev/shm entries are not attributed")
+                            continue
+                        self.book.created(pid, name)
+                except Exception:  # noqa: BLE001 - the listener must outlive a malformed event; said each time
+                    log.exception("a fanotify event could not be read")
 
 
 def parse_events(buf: bytes) -> list[tuple[int, str | None]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import Daemon, make_stack, repo_pythonpath, temp_dir, wait_for
+from tests.harness import Daemon, free_port, make_stack, repo_pythonpath, temp_dir, wait_for
 
 PY = sys.executable
 ROOT = os.geteuid() == 0
@@ -194,7 +194,9 @@ def test_fm32_crash_loop_leaves_no_ipc_object_and_touches_no_other(daemon_factor
         assert of_pid(other_pid, other_tag) and made_all(other_pid, other_tag), "another unit's objects were touched"
         assert of_pid(outsider.pid, outsider.tag) == outsider_objs, "another user's objects were touched"
         # A planned stop names them in the stop summary's residue.
-        last = d.unit("crashy")["pid"]
+        last = wait_for(lambda: (u := d.unit("crashy"))["state"] == "active" and u["pid"] not in pids and u["pid"],
+                        30, "crashy's last start")
+        pids.append(last)
         wait_for(lambda: made_all(last, tag), 20, "the last crashy's objects")
         rec = d.ok("stop", {"units": ["crashy"]})["summary"][0]
         assert len(rec["ipc_removed"]) == 3 and not of_pid(last, tag), rec
@@ -331,3 +333,55 @@ def test_private_tmp_false_sets_nothing(daemon_factory, tmp_path):
     env = env_of(pid)
     assert not any(env.get(k, "").startswith("/tmp/omnid-") for k in ("TMPDIR", "TMP", "TEMP")), env
     assert d.unit("t")["private_tmp"] is None
+
+
+PG_BIN = "/usr/lib/postgresql/15/bin"
+
+
+def _has_user(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+        return True
+    except KeyError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists(f"{PG_BIN}/postgres") or not _has_user("postgres"),
+                    reason="PostgreSQL 15 and its user are not installed")
+def test_postgres_sigkilled_under_omnid_leaves_no_sysv_segment_nor_dsm(daemon_factory):
+    """PostgreSQL's postmaster SIGKILLed under omnid: its System V segment (nattch 0 once its
+    backends are killed) and its dynamic shared memory in /dev/shm go with the unit."""
+    pg = pwd.getpwnam("postgres")
+    data = temp_dir("omt-pg-")
+    os.chown(data, pg.pw_uid, pg.pw_gid)
+    os.chmod(data, 0o700)
+    subprocess.run([f"{PG_BIN}/initdb", "-D", str(data / "db"), "-A", "trust", "--no-sync"], user=pg.pw_uid,
+                   group=pg.pw_gid, cwd="/", check=True, capture_output=True, timeout=120)
+    argv = [f"{PG_BIN}/postgres", "-D", str(data / "db"), "-k", str(data), "-p", str(free_port()),
+            "-c", "listen_addresses=", "-c", "dynamic_shared_memory_type=posix"]
+    d = daemon_factory(make_stack({"pg": f'exec = {json.dumps(argv)}\nuser = "postgres"\nstop_timeout = 10\n'}))
+    pid = d.wait_state("pg", "active")["pid"]
+
+    def segments() -> list[int]:
+        return [i for i, r in sysv_shm().items() if r["cpid"] == str(pid)]
+
+    def dsm() -> set[str]:
+        try:
+            maps = open(f"/proc/{pid}/maps").read()
+        except OSError:
+            return set()
+        return {ln.split("/dev/shm/", 1)[1].strip() for ln in maps.splitlines() if "/dev/shm/PostgreSQL." in ln}
+
+    wait_for(segments, 60, f"postgres's SysV segment (log:\n{d.log()[-2000:]})")
+    names = wait_for(dsm, 60, "postgres's dynamic shared memory in /dev/shm")
+    try:
+        send(pid, signal.SIGKILL)
+        d.wait_state("pg", "failed", timeout=30)
+        wait_for(lambda: not segments() and not (names & shm_names()), 15,
+                 f"postgres's segments to go (left: {segments()}, {names & shm_names()})")
+        removed = d.unit("pg")["ipc_removed"]
+        assert any(x.startswith("System V shm") for x in removed), removed
+    finally:  # only what this postmaster made (another test's PostgreSQL may run beside it)
+        for n in names & shm_names():
+            os.unlink(f"/dev/shm/{n}")
+        cleanup_objects(f"omt-none-{os.getpid()}", [pid])

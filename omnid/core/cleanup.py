@@ -154,9 +154,8 @@ class UnitCleanup:
         name, spec = rt.name, rt.spec
         self._due.discard(name)
         d = self.tmp.pop(name, None)
-        u = self.book.take(name)
         t0 = time.monotonic()
-        removed, kept, tmp_left = await asyncio.to_thread(_clean_blocking, d, u, bool(spec.remove_ipc))
+        removed, kept, tmp_left = await asyncio.to_thread(self._clean_blocking, name, d, bool(spec.remove_ipc))
         if d is not None and self.record is not None and tmp_left is None:
             self.record.drop(d)
         if tmp_left is not None:
@@ -169,8 +168,16 @@ class UnitCleanup:
             rec.ipc_removed = list(removed)
 
 
-def _clean_blocking(d: privatetmp.TmpDir | None, u: ipc.UnitIpc | None,
-                    remove_ipc: bool) -> tuple[list[str], list[str], str | None]:
+    def _clean_blocking(self, name: str, d: privatetmp.TmpDir | None,
+                        remove_ipc: bool) -> tuple[list[str], list[str], str | None]:
+        # What the unit created just before it died may still be queued: read first.
+        if self.watch is not None:
+            self.watch.drain()
+        return _remove(d, self.book.take(name), remove_ipc)
+
+
+def _remove(d: privatetmp.TmpDir | None, u: ipc.UnitIpc | None,
+            remove_ipc: bool) -> tuple[list[str], list[str], str | None]:
     tmp_left = privatetmp.remove(d, deadline_s=TMP_BUDGET_S) if d is not None else None
     removed: list[str] = []
     kept: list[str] = []

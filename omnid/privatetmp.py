@@ -121,19 +121,23 @@ def remove(d: TmpDir, deadline_s: float = 10.0, max_entries: int = 1_000_000) ->
             return None
         if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != (d.dev, d.ino):
             return f"{d.path}: not the directory omnid made (replaced); left alone"
-        left = _remove_tree(pfd, name, time.monotonic() + deadline_s, [max_entries])
+        left = _remove_tree(pfd, name, time.monotonic() + deadline_s, [max_entries], (d.dev, d.ino))
         return None if left is None else f"{d.path}: {left}"
     finally:
         os.close(pfd)
 
 
-def _remove_tree(pfd: int, name: str, deadline: float, budget: list[int]) -> str | None:
+def _remove_tree(pfd: int, name: str, deadline: float, budget: list[int], ident: tuple[int, int]) -> str | None:
     """rmtree's fd-based walk, iterative: every directory opened O_NOFOLLOW relative to its
     parent's fd, links unlinked, never followed. Stops at the deadline or entry budget."""
     try:
         top = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
     except OSError as exc:
         return f"cannot open: {exc.strerror}"
+    st = os.fstat(top)
+    if (st.st_dev, st.st_ino) != ident:  # swapped between the lstat and the open: not ours
+        os.close(top)
+        return "not the directory omnid made (replaced); left alone"
     stack: list[tuple[int, str, int]] = [(pfd, name, top)]  # (parent fd, name, own fd)
     try:
         while stack:

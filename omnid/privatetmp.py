@@ -45,9 +45,12 @@ class TmpDir:
     path: str
     dev: int
     ino: int
+    # The owner it was given: an inode number can be reused, and only the directory's owner
+    # (or root) can remove it from the sticky /tmp and make another of that name.
+    uid: int = -1
 
     def to_json(self) -> dict:
-        return {"unit": self.unit, "path": self.path, "dev": self.dev, "ino": self.ino}
+        return {"unit": self.unit, "path": self.path, "dev": self.dev, "ino": self.ino, "uid": self.uid}
 
     @classmethod
     def from_json(cls, d: object) -> TmpDir | None:
@@ -59,7 +62,8 @@ class TmpDir:
             return None
         if os.path.dirname(path) == "" or not _NAME_RE.match(os.path.basename(path)):
             return None
-        return cls(unit, path, dev, ino)
+        uid = d.get("uid", -1)
+        return cls(unit, path, dev, ino, uid if isinstance(uid, int) else -1)
 
 
 def wanted(spec: object) -> bool:
@@ -97,7 +101,7 @@ def create(unit: str, uid: int | None, gid: int | None, root: str = TMP_ROOT) ->
         except OSError:
             pass
         raise
-    return TmpDir(unit, path, st.st_dev, st.st_ino)
+    return TmpDir(unit, path, st.st_dev, st.st_ino, st.st_uid)
 
 
 def environment(d: TmpDir) -> dict[str, str]:
@@ -119,7 +123,8 @@ def remove(d: TmpDir, deadline_s: float = 10.0, max_entries: int = 1_000_000) ->
             st = os.lstat(name, dir_fd=pfd)
         except FileNotFoundError:
             return None
-        if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != (d.dev, d.ino):
+        if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != (d.dev, d.ino) or \
+                (d.uid >= 0 and st.st_uid != d.uid):
             return f"{d.path}: not the directory omnid made (replaced); left alone"
         left = _remove_tree(pfd, name, time.monotonic() + deadline_s, [max_entries], (d.dev, d.ino))
         return None if left is None else f"{d.path}: {left}"
@@ -148,6 +153,8 @@ def _remove_tree(pfd: int, name: str, deadline: float, budget: list[int], ident:
             with os.scandir(dfd) as it:
                 for entry in it:
                     budget[0] -= 1
+                    if budget[0] < 0 or time.monotonic() > deadline:
+                        return "not fully removed: its removal reached its bound (time or entries)"
                     try:
                         if entry.is_dir(follow_symlinks=False):
                             sub = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,

@@ -385,3 +385,25 @@ def test_postgres_sigkilled_under_omnid_leaves_no_sysv_segment_nor_dsm(daemon_fa
         for n in names & shm_names():
             os.unlink(f"/dev/shm/{n}")
         cleanup_objects(f"omt-none-{os.getpid()}", [pid])
+
+
+def test_private_tmp_removal_refuses_a_replaced_directory_and_stops_at_its_bound():
+    from omnid import privatetmp
+
+    d = privatetmp.create("bound", None, None)
+    try:
+        for i in range(50):
+            Path(d.path, f"f{i}").write_text("x")
+        left = privatetmp.remove(d, max_entries=10)
+        assert left is not None and "bound" in left and os.path.isdir(d.path), left
+        assert privatetmp.remove(d) is None and not os.path.lexists(d.path)
+        # Same name, another directory of another user (even if the inode number is reused).
+        os.mkdir(d.path, 0o700)
+        Path(d.path, "theirs").write_text("y")
+        os.chown(d.path, 65534, 65534)
+        assert "replaced" in (privatetmp.remove(d) or "") and Path(d.path, "theirs").exists()
+        assert privatetmp.TmpDir.from_json({"unit": "u", "path": "/etc", "dev": 1, "ino": 2}) is None
+    finally:
+        import shutil
+
+        shutil.rmtree(d.path, ignore_errors=True)

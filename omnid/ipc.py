@@ -143,6 +143,11 @@ class IpcBook:
             else:
                 u.dropped += 1
 
+    def has_entries(self, unit: str) -> bool:
+        with self._lock:
+            u = self.units.get(unit)
+            return u is not None and bool(u.shm)
+
     def take(self, unit: str) -> UnitIpc | None:
         with self._lock:
             u = self.units.pop(unit, None)
@@ -232,6 +237,14 @@ class ShmWatch:
                 return
             if not self.drain():
                 return
+
+    def pending(self) -> bool:
+        """Are events waiting to be read (a poll, no read)?"""
+        if self.fd < 0:
+            return False
+        p = select.poll()
+        p.register(self.fd, select.POLLIN)
+        return bool(p.poll(0))
 
     def drain(self) -> bool:
         """Read and attribute every event queued now (the listener's loop; and the removal,
@@ -467,6 +480,14 @@ def remove_residue(u: UnitIpc, budget_s: float = 2.0) -> tuple[list[str], list[s
     finally:
         if dfd >= 0:
             os.close(dfd)
+    r2, k2 = remove_sysv(u)
+    return removed + r2, kept + k2
+
+
+def remove_sysv(u: UnitIpc) -> tuple[list[str], list[str]]:
+    """The System V part alone: three small /proc/sysvipc reads and the IPC_RMIDs."""
+    removed: list[str] = []
+    kept: list[str] = []
     for o in _sysv_candidates(u):
         if not _still_same(o):
             continue

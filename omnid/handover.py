@@ -233,6 +233,7 @@ def record(daemon: Any, check: ProgramCheck) -> tuple[dict[str, Any], list[int]]
         "settled": daemon.settled.is_set(),
         "supervisor": takeover_mod.handover(sup),
         "metrics": daemon.metrics.handover(),
+        "cleanup": daemon.cleanup.handover() if daemon.cleanup is not None else None,
     }
     fds = [rec["spawner"]["pidfd"], rec["spawner"]["sock"], rec["notify"]["fd"], daemon.health_fd, daemon.lock_fd]
     if sup.crosshost is not None:  # [cluster]: the same lease, groups and heartbeat socket

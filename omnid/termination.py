@@ -58,13 +58,15 @@ class StopRecord:
     to: str = ""
     rest: str = ""  # what the rest of the unit got once the main process had exited ("SIGKILL")
     main_seconds: float | None = None  # first signal -> the main process exited (to == "main")
+    ipc_removed: list[str] = field(default_factory=list)  # IPC objects of the unit removed (omnid.ipc)
 
     def to_json(self) -> dict:
         # Not dataclasses.asdict: it deep-copies, and a 256-unit summary is on the stop path.
         return {"unit": self.unit, "signal": self.signal, "seconds": self.seconds, "escalated": self.escalated,
                 "residue": list(self.residue), "unkillable": list(self.unkillable),
                 "gpu_release_ms": self.gpu_release_ms, "gpu_held": list(self.gpu_held), "was": self.was,
-                "to": self.to, "rest": self.rest, "main_seconds": self.main_seconds}
+                "to": self.to, "rest": self.rest, "main_seconds": self.main_seconds,
+                "ipc_removed": list(self.ipc_removed)}
 
     @classmethod
     def from_json(cls, d: dict) -> StopRecord:
@@ -75,7 +77,8 @@ class StopRecord:
                    gpu_held=[str(x) for x in d["gpu_held"]], was=str(d["was"]),
                    # absent in the record of a daemon from before kill_mode (a re-exec's state)
                    to=str(d.get("to", "")), rest=str(d.get("rest", "")),
-                   main_seconds=None if d.get("main_seconds") is None else float(d["main_seconds"]))
+                   main_seconds=None if d.get("main_seconds") is None else float(d["main_seconds"]),
+                   ipc_removed=[str(x) for x in d.get("ipc_removed", [])])
 
 
 class Target(Protocol):

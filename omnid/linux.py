@@ -122,17 +122,20 @@ def pidfd_exit_status(pidfd: int) -> int | None:
 
 
 def pidfd_if(pid: int, proof: Callable[[], bool]) -> int | None:
-    """A pidfd for `pid` if `proof()` holds once it is open, else None. The pidfd pins the
-    process (its pid cannot be recycled while the fd is held), so a proof read from /proc
-    after the open is about this very process; signals through the fd can never reach a
-    stranger. The one way omnid turns a pid it read somewhere into something it signals.
+    """A pidfd for `pid` if `proof()` holds once it is open and the process is still running
+    after it, else None. A pidfd does not pin a pid number: once the process exits and is
+    reaped, the number can name a stranger while the fd is still open (signals through the fd
+    then fail with ESRCH, so they never reach the stranger). A proof read from /proc is about
+    the process behind the fd only if that process had not exited when the read was over:
+    its pid cannot be reused before it exits. So the fd is checked after the proof, never
+    before. The one way omnid turns a pid it read somewhere into something it signals.
     The caller closes the fd."""
     try:
         fd = os.pidfd_open(pid)
     except OSError:  # ProcessLookupError: gone already; EMFILE and friends: cannot hold it
         return None
     try:
-        ok = proof()
+        ok = proof() and not pidfd_exited(fd)
     except Exception:
         os.close(fd)
         raise

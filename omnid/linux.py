@@ -94,6 +94,32 @@ def pidfd_exited(pidfd: int) -> bool:
     return bool(select.select([pidfd], [], [], 0)[0])
 
 
+async def any_readable(fds: list[int], timeout: float) -> bool:
+    """Wait on the event loop until one of `fds` (pidfds: readable once their process exited)
+    turns readable, at most `timeout` seconds: True if one did. The fds must not be watched
+    by the loop already (add_reader would replace that watch)."""
+    import asyncio
+
+    if timeout <= 0:
+        return bool(fds) and bool(select.select(fds, [], [], 0)[0])
+    loop = asyncio.get_running_loop()
+    woke = loop.create_future()
+
+    def wake() -> None:
+        if not woke.done():
+            woke.set_result(True)
+
+    for fd in fds:
+        loop.add_reader(fd, wake)
+    try:
+        done, _ = await asyncio.wait([woke], timeout=timeout)
+        return bool(done)
+    finally:
+        for fd in fds:
+            loop.remove_reader(fd)
+        woke.cancel()
+
+
 # ioctl(PIDFD_GET_INFO) (Linux 6.13): _IOWR(0xFF, 11, struct pidfd_info) at its first size, 64
 # bytes; exit_code at offset 60 once PIDFD_INFO_EXIT (Linux 6.15) is in the mask it returns.
 PIDFD_GET_INFO = 0xC040FF0B
@@ -200,6 +226,19 @@ class ProcStat(NamedTuple):
     pgid: int
     sid: int
     start_time: int  # clock ticks since boot; with pid it names a process uniquely
+
+
+def read_stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of /proc/PID/stat after "(comm)" (fields[0] is the state), or None."""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            raw = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return raw[raw.rindex(b")") + 2 :].split() if raw else None
 
 
 def read_stat(pid: int) -> ProcStat | None:

@@ -85,3 +85,133 @@ def test_event_socket_receive_error_is_logged_and_the_counter_goes_on(tmp_path):
             ctx.term()
 
     asyncio.run(main())
+
+
+# ------------------------------------------------------------------ no scans on the loop
+import http.client  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.harness import Daemon, alive, make_stack, repo_pythonpath, wait_for  # noqa: E402
+
+# The leader dies at SIGTERM; a member of its group (a shell that traps TERM) lingers ~1 s.
+LINGER = ("exec = [\"/bin/sh\", \"-c\", \"sh -c 'trap \\\"sleep 1; exit 0\\\" TERM; while :; do sleep 1; done' "
+          "& exec sleep 100000\"]\nstop_timeout = 20\n")
+
+
+@pytest.fixture
+def busy_host():
+    """1,000 idle processes more on the host (what a /proc scan pays for), reaped after."""
+    procs = [subprocess.Popen(["sleep", "100000"], stdin=subprocess.DEVNULL) for _ in range(1000)]
+    yield procs
+    for p in procs:
+        p.kill()
+    for p in procs:
+        p.wait()
+
+
+def _get(conn: http.client.HTTPConnection, path: str) -> int:
+    conn.request("GET", path)
+    r = conn.getresponse()
+    r.read()
+    return r.status
+
+
+class _LoopProbe:
+    """GET /health/live every 5 ms (answered on the loop, no work of its own): its round
+    trip is how long the loop kept a request waiting."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.rtts, self.done = port, [], threading.Event()
+        self.t = threading.Thread(target=self.run)
+
+    def run(self) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        while not self.done.is_set():
+            t0 = time.monotonic()
+            _get(conn, "/health/live")
+            self.rtts.append(time.monotonic() - t0)
+            time.sleep(0.005)
+        conn.close()
+
+    def __enter__(self) -> "_LoopProbe":
+        self.t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.t.join()
+
+
+def test_group_outliving_its_leader_is_waited_for_without_blocking_the_loop(busy_host):
+    """Old: once a leader is reaped, each stopping unit scanned all of /proc every 5 ms on the
+    loop until its group was empty; with 1,000 processes on the host the loop stalled for
+    the whole wait. The members must still be waited for (the kernel is asked, not the book)."""
+    d = Daemon(make_stack({f"g{i:02d}": LINGER for i in range(16)}), env={"PYTHONPATH": repo_pythonpath()})
+    try:
+        d.start()
+        units = d.wait_all_active(60)
+        members = {}
+        for name, u in units.items():
+            pgid = u["pid"]
+            members[name] = wait_for(lambda: [p.pid for p in linux.scan() if p.pgid == pgid and p.pid != pgid],
+                                     10, f"{name}'s second process")
+        with _LoopProbe(d.health_port) as probe:
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            d.ok("stop", {"units": sorted(units)}, timeout=60)
+            took = time.monotonic() - t0
+        left = [p for ps in members.values() for p in ps if alive(p)]
+        assert not left, f"stop answered while members still run: {left}"
+        assert took >= 0.9, f"stop answered after {took:.2f} s, before the lingering members exited"
+        worst = max(probe.rtts)
+        assert worst < 0.25, (f"a /health/live request waited {worst * 1000:.0f} ms during the stop "
+                              f"({len(probe.rtts)} probes; log tail:\n{d.log()[-2000:]})")
+    finally:
+        d.close()
+
+
+def test_scrape_flood_does_not_delay_death_on_health(busy_host):
+    """Old: /metrics walked the whole /proc per unit, per scrape, on the loop; four clients
+    scraping in a loop put a SIGKILLed unit's 503 seconds late."""
+    units = {f"s{i}": 'exec = ["sleep", "100000"]\n' for i in range(8)}
+    d = Daemon(make_stack(units), env={"PYTHONPATH": repo_pythonpath()})
+    stop = threading.Event()
+    scrapes = []
+
+    def scrape() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", d.health_port, timeout=60)
+        while not stop.is_set():
+            t0 = time.monotonic()
+            assert _get(conn, "/metrics") == 200
+            scrapes.append(time.monotonic() - t0)
+        conn.close()
+
+    threads = [threading.Thread(target=scrape) for _ in range(4)]
+    try:
+        d.start()
+        d.wait_all_active(60)
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(scrapes) >= 8, 60, "the scrapers to get going")
+        pid = d.unit("s3")["pid"]
+        conn = http.client.HTTPConnection("127.0.0.1", d.health_port, timeout=60)
+        assert _get(conn, "/health") == 200
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        while _get(conn, "/health") == 200:
+            assert time.monotonic() - t0 < 30, "no 503 within 30 s"
+            time.sleep(0.002)
+        seen = time.monotonic() - t0
+        conn.close()
+        assert seen < 0.5, (f"SIGKILL -> /health 503 took {seen * 1000:.0f} ms with four scrapers "
+                            f"(scrapes: median {sorted(scrapes)[len(scrapes) // 2] * 1000:.0f} ms)")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        d.close()

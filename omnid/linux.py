@@ -76,13 +76,19 @@ def set_mempolicy(mode: int, mask: ctypes.Array, maxnode: int, many_fallback: bo
 def recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int]]:
     """One datagram and the fds that came with it, received close-on-exec (socket.recv_fds
     leaves them inheritable: a fork before they are handed on would leak them to a unit)."""
+    return recvmsg_fds(sock, bufsize, maxfds)[:2]
+
+
+def recvmsg_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int], int]:
+    """recv_fds and the flags recvmsg returned: MSG_CTRUNC says some fds were lost (the
+    receiver's fd table was full, or more came than `maxfds`), MSG_TRUNC that the data was cut."""
     fds = array.array("i")
-    data, anc, _flags, _addr = sock.recvmsg(bufsize, socket.CMSG_LEN(maxfds * fds.itemsize),
-                                            socket.MSG_CMSG_CLOEXEC)
+    data, anc, flags, _addr = sock.recvmsg(bufsize, socket.CMSG_LEN(maxfds * fds.itemsize),
+                                           socket.MSG_CMSG_CLOEXEC)
     for level, kind, cdata in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(cdata[: len(cdata) - (len(cdata) % fds.itemsize)])
-    return data, list(fds)
+    return data, list(fds), flags
 
 
 def pidfd_open(pid: int) -> int:

@@ -5,13 +5,18 @@ event loop, and the smaller defects a close reading found. Each test observes be
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
+import sys
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
 from omnid import linux
 from omnid.control import ControlServer
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 # ------------------------------------------------------------------ the pidfd proof
@@ -215,3 +220,59 @@ def test_scrape_flood_does_not_delay_death_on_health(busy_host):
         for t in threads:
             t.join()
         d.close()
+
+
+# ------------------------------------------------------------------ the spawner's receive
+SPAWNER_RECV = r"""
+import errno, json, os, resource, socket, sys
+from omnid import linux, spawner
+ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+sp = spawner.Spawner(theirs, os.getppid())
+out = {}
+# 1. A transient error (ENOBUFS) is not the daemon's death.
+NAME = "recvmsg_fds" if hasattr(linux, "recvmsg_fds") else "recv_fds"
+real = getattr(linux, NAME)
+def enobufs(*a, **kw):
+    setattr(linux, NAME, real)
+    raise OSError(errno.ENOBUFS, os.strerror(errno.ENOBUFS))
+setattr(linux, NAME, enobufs)
+ours.send(json.dumps({"op": "kill", "pid": -1}).encode())
+sp.handle_request()
+out["stopping_after_enobufs"] = sp.stopping
+sp.handle_request()  # the request is still queued: read now
+out["stopping_after_retry"] = sp.stopping
+# 2. fds lost on the way (our fd table full: MSG_CTRUNC): the spawn is answered as failed.
+r, w = os.pipe()
+used = len(os.listdir("/proc/self/fd"))
+top = max(int(x) for x in os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+fillers = []
+while True:
+    try:
+        fillers.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        break
+socket.send_fds(ours, [json.dumps({"op": "spawn", "id": 7, "unit": "x", "argv": ["true"], "env": {},
+                                   "placement": {"error": "must not get this far"}}).encode()], [r, w])
+sp.handle_request()
+for fd in fillers:
+    os.close(fd)
+sp.flush()
+out["reply"] = json.loads(ours.recv(65536))
+print(json.dumps(out))
+"""
+
+
+def test_spawner_survives_a_transient_receive_error_and_fails_a_spawn_whose_fds_were_lost():
+    """Old: any recvmsg error (ENOBUFS, ENOMEM) was taken for the daemon's death (the spawner
+    stops and SIGKILLs every unit), and MSG_CTRUNC was ignored (a spawn ran without its
+    output pipes)."""
+    r = subprocess.run([sys.executable, "-c", SPAWNER_RECV], capture_output=True, text=True, timeout=60,
+                       cwd=str(REPO), env=dict(os.environ, PYTHONPATH=repo_pythonpath()))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out["stopping_after_enobufs"] is False, out
+    assert out["stopping_after_retry"] is False, out
+    events = out["reply"]["events"] if out["reply"].get("op") == "batch" else [out["reply"]]
+    assert [e["op"] for e in events] == ["spawn_failed"] and events[0]["id"] == 7, out
+    assert "lost its file descriptors" in events[0]["error"], out

@@ -276,3 +276,49 @@ def test_spawner_survives_a_transient_receive_error_and_fails_a_spawn_whose_fds_
     events = out["reply"]["events"] if out["reply"].get("op") == "batch" else [out["reply"]]
     assert [e["op"] for e in events] == ["spawn_failed"] and events[0]["id"] == 7, out
     assert "lost its file descriptors" in events[0]["error"], out
+
+
+# ------------------------------------------------------------------ an unowned child is always killed
+def test_kill_of_an_unowned_child_waits_for_room_on_a_full_socket_instead_of_being_dropped():
+    """The daemon could not take a spawned child's pidfd: it asks the spawner to kill the
+    child. Old: on a full (non-blocking) socket that request was logged and dropped, and the
+    child ran with no pidfd and no unit."""
+    import socket
+
+    from omnid.spawnclient import SpawnError, SpawnerClient
+
+    async def main():
+        client = SpawnerClient(lambda r: None, lambda: None)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setblocking(False)
+        theirs.setblocking(False)
+        client.sock = ours
+        filled = 0
+        while True:
+            try:
+                ours.send(b"x" * 4096)
+                filled += 1
+            except BlockingIOError:
+                break
+        fut = asyncio.get_running_loop().create_future()
+        client._pending[1] = fut
+        # The spawner's answer arrives without the pidfd (the daemon's fd table was full).
+        client._dispatch({"op": "spawned", "id": 1, "pid": 424242, "start_time": 1}, [])
+        assert fut.done() and isinstance(fut.exception(), SpawnError)
+        got = []
+        deadline = asyncio.get_running_loop().time() + 5
+        while not any(m.startswith(b"{") for m in got):
+            assert asyncio.get_running_loop().time() < deadline, \
+                f"no kill request after draining {len(got)} of {filled} filler datagrams"
+            try:
+                got.append(theirs.recv(65536))
+            except BlockingIOError:
+                await asyncio.sleep(0.01)
+        assert json.loads(got[-1]) == {"op": "kill", "pid": 424242}
+        assert len(got) == filled + 1
+        if client._writer:
+            asyncio.get_running_loop().remove_writer(ours.fileno())
+        ours.close()
+        theirs.close()
+
+    asyncio.run(main())

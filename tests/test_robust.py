@@ -322,3 +322,38 @@ def test_kill_of_an_unowned_child_waits_for_room_on_a_full_socket_instead_of_bei
         theirs.close()
 
     asyncio.run(main())
+
+
+# ------------------------------------------------------------------ re-exec: the new program's check
+def test_new_program_check_reads_a_large_output_as_it_comes(monkeypatch):
+    """Old: `--version`'s output was read only after the program exited; one that prints more
+    than a pipe holds blocks in write, never exits, and the check timed out."""
+    from omnid import handover
+
+    monkeypatch.setattr(handover, "program_argv", lambda: [
+        sys.executable, "-c", "import sys; sys.stdout.write('omnid 9.9\\n' + 'x' * 200000)", "--"])
+    check = asyncio.run(handover.check_new_program(timeout=10))
+    assert check.version == "9.9", check
+
+
+def test_new_program_check_that_hangs_is_killed_and_reaped_without_blocking_the_loop(monkeypatch):
+    from omnid import handover
+
+    """The new reap path (no waitpid that blocks the loop): the killed program is reaped when
+    its pidfd says it died. (Old code passed this too: its blocking waitpid was quick here.)"""
+    monkeypatch.setattr(handover, "program_argv", lambda: [sys.executable, "-c", "import time; time.sleep(100)", "--"])
+
+    async def main():
+        try:
+            await handover.check_new_program(timeout=0.5)
+        except handover.HandoverError as exc:
+            assert "did not answer within 0.5 s" in str(exc)
+        else:
+            raise AssertionError("a program that hangs passed the check")
+        # Reaped by the loop once its pidfd says it died: no zombie of ours stays.
+        deadline = asyncio.get_running_loop().time() + 10
+        while linux.children_of(os.getpid()):
+            assert asyncio.get_running_loop().time() < deadline, linux.children_of(os.getpid())
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())

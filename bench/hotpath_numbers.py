@@ -118,7 +118,7 @@ def death(tree: str | None, scrapers: int, rounds: int) -> dict:
     stop = threading.Event()
 
     def scrape_loop() -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", d.health_port, timeout=60)
+        conn = http.client.HTTPConnection("127.0.0.1", d.health_port, timeout=600)
         while not stop.is_set():
             get(conn, "/metrics")
         conn.close()
@@ -128,17 +128,20 @@ def death(tree: str | None, scrapers: int, rounds: int) -> dict:
         t.start()
     try:
         out = []
-        conn = http.client.HTTPConnection("127.0.0.1", d.health_port, timeout=60)
+        conn = http.client.HTTPConnection("127.0.0.1", d.health_port, timeout=600)
         for _ in range(rounds):
-            wait_for(lambda: get(conn, "/health")[0] == 200, 60, "health 200")
-            pid = d.unit("victim")["pid"]
+            wait_for(lambda: get(conn, "/health")[0] == 200, 600, "health 200")
+            pid = d.ok("status", timeout=600)["units"]
+            pid = next(u["pid"] for u in pid if u["name"] == "victim")
             t0 = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             while get(conn, "/health")[0] == 200:
                 time.sleep(0.002)
             out.append((time.monotonic() - t0) * 1000)
-            d.wait_state("victim", "failed", 60)
-            d.ok("start", {"units": ["victim"]}, timeout=60)
+            print(f"  {scrapers} scrapers: kill -> 503 {out[-1]:.1f} ms", flush=True)
+            wait_for(lambda: next(u for u in d.ok("status", timeout=600)["units"] if u["name"] == "victim")["state"]
+                     == "failed", 600, "victim failed")
+            d.ok("start", {"units": ["victim"]}, timeout=600)
         conn.close()
         return {"scrapers": scrapers, "median_ms": round(statistics.median(out), 1), "max_ms": round(max(out), 1),
                 "samples": [round(x, 1) for x in out]}
@@ -168,8 +171,10 @@ def main() -> None:
             res["scrape"] = [scrape(tree, n) for n in (32, 64)]
             print(json.dumps(res["scrape"]), flush=True)
         if "death" in only:
-            res["death"] = [death(tree, s, a.rounds) for s in (0, 4)]
-            print(json.dumps(res["death"]), flush=True)
+            res["death"] = []
+            for n in (0, 4):
+                res["death"].append(death(tree, n, a.rounds))
+                print(json.dumps(res["death"][-1]), flush=True)
     finally:
         end(extra)
     print(json.dumps(res, indent=1))

@@ -357,3 +357,47 @@ def test_new_program_check_that_hangs_is_killed_and_reaped_without_blocking_the_
             await asyncio.sleep(0.01)
 
     asyncio.run(main())
+
+
+# ------------------------------------------------------------------ the ownership proof
+def test_ownership_token_is_not_listed_to_other_users_in_proc_net_unix():
+    """The token in OMNID_DAEMON proves a process ours at takeover. Old: it was part of the
+    notify socket's abstract name, which /proc/net/unix (mode 0444) lists to every user."""
+    d = Daemon(make_stack({"a": 'exec = ["sleep", "100000"]\nready = "notify"\nready_timeout = 600\n'}),
+               env={"PYTHONPATH": repo_pythonpath()})
+    try:
+        d.start()
+        pid = d.wait_state("a", "starting")["pid"]
+        token = linux.read_environ_var(pid, "OMNID_DAEMON")
+        address = linux.read_environ_var(pid, "NOTIFY_SOCKET")
+        assert token and address, (token, address)
+        with open("/proc/net/unix") as f:
+            table = f.read()
+        assert address[1:] in table, f"the notify socket {address} is not bound"
+        assert token not in table, f"the ownership token {token} is listed in /proc/net/unix"
+    finally:
+        d.close()
+
+
+def test_notify_from_a_process_that_copied_the_token_is_not_taken_for_a_spawning_unit():
+    """A unit's user can read her unit's environment (tag and token) and start a process of
+    her own with both: while the unit is spawning, its READY=1 must not count."""
+    from types import SimpleNamespace
+
+    from omnid.core.lifecycle import Phase
+    from omnid.core.monitors import Monitors
+
+    env = dict(os.environ, OMNID_UNIT="x", OMNID_DAEMON="tok12345")
+    forger = subprocess.Popen(["sleep", "100"], env=env)
+    spawner = subprocess.Popen(["sleep", "100"])
+    try:
+        rt = SimpleNamespace(name="x", proc=None, phase=Phase.SPAWNING)
+        sup = SimpleNamespace(units={"x": rt}, token="tok12345", spawner=SimpleNamespace(pid=spawner.pid))
+        assert Monitors(sup)._attribute(forger.pid) is None, "a forged process was taken for the spawning unit"
+        # The same process below our (here: the test's) spawner is ours.
+        sup.spawner.pid = os.getpid()
+        assert Monitors(sup)._attribute(forger.pid) == "x"
+    finally:
+        for p in (forger, spawner):
+            p.kill()
+            p.wait()

@@ -51,13 +51,26 @@ def daemon(units: dict[str, str], tree: str | None) -> Daemon:
     d = Daemon(make_stack(units), env={"PYTHONPATH": tree or ""}, cwd=tree)
     d.start()
     d.wait_all_active(120)
+    # The health API loads its HTTP stack lazily, in a thread: its first answer takes seconds
+    # on 2 cores. Measure from the second on.
+    d.http("/health/live")
     return d
 
 
 def get(conn: http.client.HTTPConnection, path: str) -> tuple[int, bytes]:
-    conn.request("GET", path)
-    r = conn.getresponse()
-    return r.status, r.read()
+    """One request on a kept-alive connection; once more on a new one if the daemon closed
+    it (its keep-alive timeout is 5 s)."""
+    for attempt in (0, 1):
+        try:
+            conn.request("GET", path)
+            r = conn.getresponse()
+            return r.status, r.read()
+        except (http.client.RemoteDisconnected, ConnectionError, http.client.CannotSendRequest,
+                http.client.ResponseNotReady):
+            conn.close()
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
 
 
 def pct(xs: list[float], q: float) -> float:

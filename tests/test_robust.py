@@ -165,6 +165,7 @@ def test_group_outliving_its_leader_is_waited_for_without_blocking_the_loop(busy
             pgid = u["pid"]
             members[name] = wait_for(lambda: [p.pid for p in linux.scan() if p.pgid == pgid and p.pid != pgid],
                                      10, f"{name}'s second process")
+        d.http("/health/live")  # the health API's first answer loads its HTTP stack (in a thread)
         with _LoopProbe(d.health_port) as probe:
             time.sleep(0.2)
             t0 = time.monotonic()
@@ -200,6 +201,7 @@ def test_scrape_flood_does_not_delay_death_on_health(busy_host):
     try:
         d.start()
         d.wait_all_active(60)
+        d.http("/health/live")  # the health API's first answer loads its HTTP stack (in a thread)
         for t in threads:
             t.start()
         wait_for(lambda: len(scrapes) >= 8, 60, "the scrapers to get going")

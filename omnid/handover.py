@@ -101,7 +101,7 @@ async def check_new_program(timeout: float = CHECK_TIMEOUT_S) -> ProgramCheck:
 
     def drain() -> None:
         nonlocal kept
-        while True:
+        for _ in range(64):  # at most 4 MiB a turn: a writer that never stops cannot hold the loop
             try:
                 b = os.read(r, 65536)
             except (BlockingIOError, InterruptedError):

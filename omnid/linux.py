@@ -310,6 +310,29 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def descendants(root: int, skip: frozenset[int] = frozenset()) -> list[ProcStat]:
+    """Every descendant of `root` (zombies included), from /proc/PID/task/*/children, but the
+    subtrees of `skip` (the units' live main processes: what is below one is in its session,
+    and no other unit's group can be): the cost is the orphans' number, whatever else the
+    host or the stack runs. With `root` gone (the spawner died: what it left was re-parented
+    elsewhere), every process on the host."""
+    if not os.path.isdir(f"/proc/{root}/task"):
+        return scan()
+    out: list[ProcStat] = []
+    seen: set[int] = set(skip)
+    stack = children_of(root)
+    while stack:
+        pid = stack.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        st = read_stat(pid)
+        if st is not None:
+            out.append(st)
+            stack.extend(children_of(pid))
+    return out
+
+
 def read_environ_var(pid: int, name: str) -> str | None:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from omnid import linux
@@ -126,7 +126,8 @@ class ProcessHandle:
         st = linux.read_stat(self.pid)
         return st is not None and st.state == "Z" and st.start_time == self.start_time
 
-    def signal_group(self, sig: int, token: str | None = None) -> bool:
+    def signal_group(self, sig: int, token: str | None = None,
+                     procs: Callable[[], list[linux.ProcStat]] | None = None) -> bool:
         """Signal the unit's whole process group (recorded at spawn: getpgid fails once
         the leader is gone) -- by number only while the leader's pidfd proves the group
         is still ours. After the leader died, a bare pgid may name someone else's group
@@ -139,7 +140,7 @@ class ProcessHandle:
             except ProcessLookupError:
                 return False
         hit = self.signal(sig)
-        members = tagged_group_members(self.unit, self.pgid, token)
+        members = tagged_group_members(self.unit, self.pgid, token, procs)
         kill_survivors(members, sig)
         return hit or bool(members)
 
@@ -185,13 +186,16 @@ def _tagged(pid: int, unit: str, daemon_token: str | None) -> bool:
     return daemon_token is None or linux.read_environ_var(pid, DAEMON_TAG) in (daemon_token, None)
 
 
-def tagged_group_members(unit: str, pgid: int, daemon_token: str | None = None) -> list[Survivor]:
+def tagged_group_members(unit: str, pgid: int, daemon_token: str | None = None,
+                         procs: Callable[[], list[linux.ProcStat]] | None = None) -> list[Survivor]:
     """Live members of process group / session `pgid` that carry `unit`'s tag: what may
-    be signalled once the leader is gone and the number alone proves nothing."""
+    be signalled once the leader is gone and the number alone proves nothing. `procs`:
+    where to look (default: every process on the host; a unit's target passes the
+    spawner's descendants, where every member of a unit's group is)."""
     if not group_alive(pgid):
         return []
     out = []
-    for p in linux.scan():
+    for p in (procs or linux.scan)():
         if (p.pgid == pgid or p.sid == pgid) and p.state not in ("Z", "X") and _tagged(p.pid, unit, daemon_token):
             out.append(Survivor(p.pid, p.comm, p.state, linux.wchan(p.pid), f"process group {pgid}", p.start_time))
     return out
@@ -221,7 +225,10 @@ def find_residue(unit: str, pgid: int, spawner_pid: int, daemon_token: str | Non
         out.append(Survivor(p.pid, p.comm, p.state, linux.wchan(p.pid), why, p.start_time))
 
     if members and group_alive(pgid):
-        for p in linux.scan():
+        # Every member of a unit's group or session descends from the spawner (its subreaper),
+        # and none from another unit's main process (another session): walk that, not /proc.
+        skip = frozenset(m for m in mains if m != pgid)
+        for p in (linux.descendants(spawner_pid, skip) if spawner_pid > 0 else linux.scan()):
             if not group_ours and (p.pgid == pgid or p.sid == pgid) and not _tagged(p.pid, unit, daemon_token):
                 continue
             if p.pgid == pgid:

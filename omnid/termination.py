@@ -110,6 +110,11 @@ class ProcessGroupTarget:
         self._group_ours = True  # until the leader is reaped
         self._extra: list[Survivor] | None = None
 
+    def _stack(self) -> list[linux.ProcStat]:
+        """Where the group's members are once the leader is gone: the spawner's descendants
+        (but other units' subtrees), not the host's whole process table."""
+        return linux.descendants(self.spawner_pid, frozenset(self.mains))
+
     def _residue(self, members: bool, children: list[int] | None = None) -> list[Survivor]:
         ours = self._group_ours and not self.h.reaped.is_set()
         return find_residue(self.name, self.h.pgid, self.spawner_pid, self.token, members=members,
@@ -119,14 +124,14 @@ class ProcessGroupTarget:
         # The group first: looking up escaped orphans reads /proc, and must not delay it.
         # They are looked up once per stop (from the converge's one read of the subreaper's
         # children when `orphans` gives it): the SIGCONT right after goes to the same ones.
-        self.h.signal_group(sig, self.token)
+        self.h.signal_group(sig, self.token, self._stack)
         if self._extra is None:
             self._extra = self._residue(members=False, children=self._orphans() if self._orphans else None)
         kill_survivors(self._extra, sig)
 
     def kill_all(self) -> None:
         self.h.signal(signal.SIGKILL)
-        self.h.signal_group(signal.SIGKILL, self.token)
+        self.h.signal_group(signal.SIGKILL, self.token, self._stack)
         kill_survivors(self._residue(members=False))
 
     def main_gone(self) -> bool:
@@ -180,7 +185,7 @@ class ProcessGroupTarget:
         # member forked since the walk) is looked at again with back-off.
         delay = POLL_S
         while group_alive(self.h.pgid):
-            left, fds = self._hold_members(await stack_walk(self.spawner_pid))
+            left, fds = self._hold_members(await stack_walk(self.spawner_pid, self.mains))
             try:
                 if not left:
                     return True
@@ -209,24 +214,6 @@ class ProcessGroupTarget:
         return not self._residue(members=False)
 
 
-def walk_descendants(root: int) -> list[linux.ProcStat]:
-    """Every descendant of `root` (zombies included), from /proc/PID/task/*/children: the cost
-    is the size of the tree, whatever else the host runs."""
-    out: list[linux.ProcStat] = []
-    seen: set[int] = set()
-    stack = linux.children_of(root)
-    while stack:
-        pid = stack.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        st = linux.read_stat(pid)
-        if st is not None:
-            out.append(st)
-            stack.extend(linux.children_of(pid))
-    return out
-
-
 class _Walks:
     """One walk of the spawner's descendants, in a thread, shared by every wait_gone that asks
     for one before it starts; a walk asked for while one runs starts after it (so what it
@@ -238,16 +225,16 @@ class _Walks:
         self.tasks: set[asyncio.Task] = set()  # held: the loop keeps only weak references
         self.walks = 0
 
-    async def get(self, root: int) -> list[linux.ProcStat]:
+    async def get(self, root: int, skip: frozenset[int]) -> list[linux.ProcStat]:
         fut = self.pending.get(root)
         if fut is None:
             fut = self.pending[root] = asyncio.get_running_loop().create_future()
-            task = asyncio.get_running_loop().create_task(self._run(root, fut))
+            task = asyncio.get_running_loop().create_task(self._run(root, skip, fut))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
         return await asyncio.shield(fut)
 
-    async def _run(self, root: int, fut: asyncio.Future) -> None:
+    async def _run(self, root: int, skip: frozenset[int], fut: asyncio.Future) -> None:
         before = self.running.get(root)
         if before is not None:
             await asyncio.wait([before])
@@ -255,7 +242,7 @@ class _Walks:
         self.running[root] = fut
         self.walks += 1
         try:
-            fut.set_result(await asyncio.to_thread(walk_descendants, root))
+            fut.set_result(await asyncio.to_thread(linux.descendants, root, skip))
         except Exception as exc:  # noqa: BLE001 - handed to every waiter
             fut.set_exception(exc)
         finally:
@@ -266,8 +253,9 @@ class _Walks:
 _walks = _Walks()
 
 
-async def stack_walk(spawner_pid: int) -> list[linux.ProcStat]:
-    return await _walks.get(spawner_pid)
+async def stack_walk(spawner_pid: int, mains: Container[int] = ()) -> list[linux.ProcStat]:
+    """The spawner's descendants but the units' live main processes' subtrees (a thread)."""
+    return await _walks.get(spawner_pid, frozenset(mains))
 
 
 class LeftoverTarget:

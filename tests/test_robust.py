@@ -119,6 +119,13 @@ def busy_host():
         p.wait()
 
 
+def _reads(pid: int) -> int:
+    """read() calls the process (all its threads) has made so far, from the kernel's count:
+    a /proc scan is one read per process on the host at least."""
+    with open(f"/proc/{pid}/io") as f:
+        return int(next(line for line in f if line.startswith("syscr:")).split()[1])
+
+
 def _get(conn: http.client.HTTPConnection, path: str) -> int:
     conn.request("GET", path)
     r = conn.getresponse()
@@ -169,14 +176,24 @@ def test_group_outliving_its_leader_is_waited_for_without_blocking_the_loop(busy
         with _LoopProbe(d.health_port) as probe:
             time.sleep(0.2)
             t0 = time.monotonic()
+            before_reads = _reads(d.pid)
             d.ok("stop", {"units": sorted(units)}, timeout=60)
+            after_reads = _reads(d.pid)
             took = time.monotonic() - t0
         left = [p for ps in members.values() for p in ps if alive(p)]
         assert not left, f"stop answered while members still run: {left}"
         assert took >= 0.9, f"stop answered after {took:.2f} s, before the lingering members exited"
-        worst = max(probe.rtts)
-        assert worst < 0.25, (f"a /health/live request waited {worst * 1000:.0f} ms during the stop "
-                              f"({len(probe.rtts)} probes; log tail:\n{d.log()[-2000:]})")
+        rtts = sorted(probe.rtts)
+        median, worst = rtts[len(rtts) // 2], rtts[-1]
+        reads = after_reads - before_reads
+        print(f"\n{len(rtts)} probes during the stop: median {median * 1000:.1f} ms, max {worst * 1000:.0f} ms; "
+              f"{reads} reads by the daemon")
+        # Wall-clock lag on this shared 2-core VM is noise; what the daemon read is not. One scan
+        # of the host is >= 1,000 reads here; the stop itself (16 units) needs a few hundred.
+        assert reads < 4000, (f"the daemon made {reads} read calls while 16 groups emptied (/proc scans of a "
+                              f"host of {len(busy_host)}+ processes); probes: median {median * 1000:.0f} ms, "
+                              f"max {worst * 1000:.0f} ms")
+        assert worst < 5.0, f"a /health/live request waited {worst:.1f} s during the stop"
     finally:
         d.close()
 
@@ -205,6 +222,9 @@ def test_scrape_flood_does_not_delay_death_on_health(busy_host):
         for t in threads:
             t.start()
         wait_for(lambda: len(scrapes) >= 8, 60, "the scrapers to get going")
+        n0, r0 = len(scrapes), _reads(d.pid)
+        wait_for(lambda: len(scrapes) >= n0 + 20, 120, "20 more scrapes")
+        per_scrape = (_reads(d.pid) - r0) / (len(scrapes) - n0)
         pid = d.unit("s3")["pid"]
         conn = http.client.HTTPConnection("127.0.0.1", d.health_port, timeout=60)
         assert _get(conn, "/health") == 200
@@ -215,7 +235,11 @@ def test_scrape_flood_does_not_delay_death_on_health(busy_host):
             time.sleep(0.002)
         seen = time.monotonic() - t0
         conn.close()
-        assert seen < 0.5, (f"SIGKILL -> /health 503 took {seen * 1000:.0f} ms with four scrapers "
+        print(f"\nSIGKILL -> /health 503 in {seen * 1000:.0f} ms with four scrapers; {per_scrape:.0f} reads a scrape")
+        # A scrape that scans the host costs >= 1,000 reads per unit here; one that reads the
+        # units' own trees (8 processes), at most once a second, a handful.
+        assert per_scrape < 200, f"{per_scrape:.0f} read calls per /metrics scrape (8 units, 1,000+ processes)"
+        assert seen < 2.0, (f"SIGKILL -> /health 503 took {seen * 1000:.0f} ms with four scrapers "
                             f"(scrapes: median {sorted(scrapes)[len(scrapes) // 2] * 1000:.0f} ms)")
     finally:
         stop.set()

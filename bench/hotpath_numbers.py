@@ -73,6 +73,12 @@ def get(conn: http.client.HTTPConnection, path: str) -> tuple[int, bytes]:
     raise AssertionError("unreachable")
 
 
+def reads(pid: int) -> int:
+    """read() calls the daemon (all its threads) has made: the kernel's count, load-proof."""
+    with open(f"/proc/{pid}/io") as f:
+        return int(next(line for line in f if line.startswith("syscr:")).split()[1])
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -97,12 +103,13 @@ def stop_lag(tree: str | None) -> dict:
         t.start()
         time.sleep(0.3)
         lags.clear()
-        t0 = time.monotonic()
-        d.ok("stop", {"units": sorted(d.units())}, timeout=120)
-        took = time.monotonic() - t0
+        names = sorted(d.units())
+        t0, r0 = time.monotonic(), reads(d.pid)
+        d.ok("stop", {"units": names}, timeout=120)
+        took, nreads = time.monotonic() - t0, reads(d.pid) - r0
         done.set()
         t.join()
-        return {"stop_s": round(took, 2), "probes": len(lags), "lag_max_ms": round(max(lags), 1),
+        return {"stop_s": round(took, 2), "daemon_reads": nreads, "probes": len(lags), "lag_max_ms": round(max(lags), 1),
                 "lag_p99_ms": round(pct(lags, 0.99), 1), "lag_median_ms": round(statistics.median(lags), 1)}
     finally:
         d.close()
@@ -113,13 +120,14 @@ def scrape(tree: str | None, n: int) -> dict:
     try:
         conn = http.client.HTTPConnection("127.0.0.1", d.health_port, timeout=60)
         times = []
+        r0 = reads(d.pid)
         for _ in range(20):
             t0 = time.monotonic()
             code, _ = get(conn, "/metrics")
             assert code == 200
             times.append((time.monotonic() - t0) * 1000)
         conn.close()
-        return {"units": n, "median_ms": round(statistics.median(times), 1), "max_ms": round(max(times), 1)}
+        return {"units": n, "reads_per_scrape": round((reads(d.pid) - r0) / 20), "median_ms": round(statistics.median(times), 1), "max_ms": round(max(times), 1)}
     finally:
         d.close()
 

@@ -189,8 +189,10 @@ def test_group_outliving_its_leader_is_waited_for_without_blocking_the_loop(busy
         print(f"\n{len(rtts)} probes during the stop: median {median * 1000:.1f} ms, max {worst * 1000:.0f} ms; "
               f"{reads} reads by the daemon")
         # Wall-clock lag on this shared 2-core VM is noise; what the daemon read is not. One scan
-        # of the host is >= 1,000 reads here; the stop itself (16 units) needs a few hundred.
-        assert reads < 4000, (f"the daemon made {reads} read calls while 16 groups emptied (/proc scans of a "
+        # of the host is >= 1,000 reads here; the stop itself (16 units) needs a few hundred, and
+        # the proof that a leaderless group is still the unit's (a member held by pidfd, read from
+        # the spawner's children) a few thousand more under load. Old code: hundreds of scans.
+        assert reads < 8000, (f"the daemon made {reads} read calls while 16 groups emptied (/proc scans of a "
                               f"host of {len(busy_host)}+ processes); probes: median {median * 1000:.0f} ms, "
                               f"max {worst * 1000:.0f} ms")
         assert worst < 5.0, f"a /health/live request waited {worst:.1f} s during the stop"

@@ -70,7 +70,10 @@ class Drains:
                     sent = h.signal(int(hook.sig))
                 if not sent:
                     return "drain signal found no process"
-            waits = [asyncio.ensure_future(idle.wait()), asyncio.ensure_future(h.exited.wait())]
+            # `reaped`, not `exited`: the exit is fed to the table (EXITED) the moment its status is
+            # in, so the table hears of it before this drain could end it as DRAINED -- which
+            # would send the stop signal to a dead main process instead of dealing with the rest.
+            waits = [asyncio.ensure_future(idle.wait()), asyncio.ensure_future(h.reaped.wait())]
             try:
                 done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             finally:

@@ -39,7 +39,9 @@ class SpawnerProcess:
         if self.adopted or self.pidfd < 0:
             return
         self.sock.close()
-        if not select.select([self.pidfd], [], [], timeout)[0]:
+        waiter = select.poll()  # not select(): it refuses fds from 1024 on
+        waiter.register(self.pidfd, select.POLLIN)
+        if not waiter.poll(int(timeout * 1000)):
             try:
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
             except ProcessLookupError:

@@ -4,11 +4,12 @@ tiers (Kahn, linear) and worker groups."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
 from omnid.unitfile import GROUP_POLICY_KEYS, _Template
-from omnid.unitmodel import DrainHook, Liveness, Ready, ReadyKind, Unit, UnitFileError, _REFERENCE, _SPECIFIER
+from omnid.unitmodel import DrainHook, Liveness, Progress, Ready, ReadyKind, Unit, UnitFileError, _REFERENCE, _SPECIFIER
 from omnid.unitvalues import _Invalid, _Table, _http_url, _quote, parse_host_port
 
 
@@ -62,11 +63,20 @@ def _expand_unit(
         except ValueError as exc:
             t.error("ready.tcp", str(exc))
     liveness: Liveness | None = v["liveness"]
-    if liveness is not None and liveness.url:
+    if liveness is not None:
+        liveness = replace(liveness, body=x(liveness.body), exec=tuple(x(a) for a in liveness.exec),
+                           headers=tuple((k, x(val)) for k, val in liveness.headers))
+        if liveness.url:
+            try:
+                liveness = replace(liveness, url=_http_url(x(liveness.url)))
+            except _Invalid as exc:
+                t.error("liveness.http", str(exc))
+    progress: Progress | None = v["progress"]
+    if progress is not None and progress.metrics:
         try:
-            liveness = Liveness(_http_url(x(liveness.url)), liveness.interval, liveness.timeout, liveness.failures)
+            progress = replace(progress, metrics=_http_url(x(progress.metrics)))
         except _Invalid as exc:
-            t.error("liveness.http", str(exc))
+            t.error("progress.metrics", str(exc))
     drain: DrainHook | None = v["drain"]
     if drain is not None and drain.url:
         try:
@@ -99,10 +109,16 @@ def _expand_unit(
         ready=ready,
         ready_timeout=v["ready_timeout"],
         liveness=liveness,
+        progress=progress,
+        ready_interval=v["ready_interval"],
         watchdog_sec=v["watchdog_sec"],
         stop_signal=v["stop_signal"],
         stop_timeout=v["stop_timeout"],
         kill_timeout=v["kill_timeout"],
+        kill_mode=v["kill_mode"],
+        leftover_timeout=v["leftover_timeout"],
+        private_tmp=v["private_tmp"],
+        remove_ipc=v["remove_ipc"],
         capture_timeout=v["capture_timeout"],
         drain=drain,
         drain_timeout=v["drain_timeout"],

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import select
 import signal
 import time
 from collections.abc import Callable, Container
@@ -183,13 +182,7 @@ class LeftoverTarget:
             self._held.append((Survivor(it.pid, st.comm, st.state, "", it.describe(), st.start_time), fd))
 
     def _live(self) -> list[tuple[Survivor, int]]:
-        out = []
-        for s, fd in self._held:
-            p = select.poll()
-            p.register(fd, select.POLLIN)
-            if not p.poll(0):
-                out.append((s, fd))
-        return out
+        return [(s, fd) for s, fd in self._held if not linux.pidfd_exited(fd)]
 
     def signal_all(self, sig: int) -> None:
         for _s, fd in self._live():

@@ -4,16 +4,17 @@ table of omnid.unit(5) and the daemon-settings keys of omnid(8)."""
 from __future__ import annotations
 
 import ipaddress
+import re
 import signal
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omnid.cluster.settings import HOST_NAME, parse_cluster
-from omnid.unitmodel import DEFAULT_TITLE, DaemonSettings, DrainHook, Liveness, LogFormat, NumaMode, Ready, ReadyKind, RestartPolicy, TorchDistributed, UnitFileError
-from omnid.unitvalues import MAX_INSTANCES, InvalidValue, _Invalid, _Table, _argv, _cgroup_amount, _choice, _describe, _env, _gpus, _group_name, _integer, _limits, _nonempty_string, _numa, _seconds, _seconds_at_most, _string, _string_list, parse_host_port, parse_signal
+from omnid.unitmodel import DEFAULT_TITLE, DaemonSettings, DrainHook, KillMode, Liveness, LogFormat, NumaMode, Progress, Ready, ReadyKind, RestartPolicy, TorchDistributed, UnitFileError
+from omnid.unitvalues import MAX_INSTANCES, InvalidValue, _Invalid, _Table, _argv, _cgroup_amount, _choice, _describe, _env, _gpus, _group_name, _integer, _limits, _nonempty_string, _numa, _quote, _seconds, _seconds_at_most, _string, _string_list, parse_host_port, parse_signal
 
 
 # --------------------------------------------------------------------------- unit files
@@ -25,11 +26,13 @@ UNIT_KEYS = (
     "stop_signal", "stop_timeout", "kill_timeout", "restart", "restart_sec", "restart_max_sec",
     "start_limit_burst", "start_limit_interval", "gpu_min_free_mib", "worker_group", "torch_distributed",
     "memory_max", "tasks_max", "capture_timeout", "drain", "drain_timeout", "group_hosts", "numa",
+    "progress", "ready_interval", "kill_mode", "leftover_timeout", "private_tmp", "remove_ipc",
 )  # fmt: skip
 TORCH_DISTRIBUTED_KEYS = ("master_addr", "master_port")
 # The restart policy of a worker group is one policy: every member must declare the same.
 GROUP_POLICY_KEYS = ("restart", "restart_sec", "restart_max_sec", "start_limit_burst", "start_limit_interval")
-LIVENESS_KEYS = ("http", "interval", "timeout", "failures")
+LIVENESS_KEYS = ("http", "exec", "method", "body", "headers", "expect", "interval", "timeout", "failures")
+PROGRESS_KEYS = ("metrics", "counter", "busy", "stall_sec", "interval")
 SETTINGS_KEYS = ("control", "state_dir", "health_listen", "log_format", "cgroup_root", "drain_sec", "cluster",
                  "exit_when_failed")
 
@@ -148,6 +151,12 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
         "memory_max": t.get("memory_max", None, _cgroup_amount(bytes_=True)),
         "tasks_max": t.get("tasks_max", None, _cgroup_amount(bytes_=False)),
         "liveness": None,
+        "progress": None,
+        "ready_interval": t.get("ready_interval", 5.0, _seconds(zero_ok=True)),
+        "kill_mode": t.get("kill_mode", KillMode.CONTROL_GROUP, _choice(KillMode)),
+        "leftover_timeout": t.get("leftover_timeout", 3.0, _seconds(zero_ok=True)),
+        "private_tmp": t.get("private_tmp", True, _boolean),
+        "remove_ipc": t.get("remove_ipc", True, _boolean),
         "numa": t.get("numa", NumaMode.AUTO, _numa),
     }
     td = raw.get("torch_distributed", False)
@@ -167,20 +176,9 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
         t.error("torch_distributed", f"expected true, false or a table {{ master_addr = \"127.0.0.1\", "
                 f"master_port = 29500 }}, got {_describe(td)}")
     if "liveness" in raw:
-        if isinstance(raw["liveness"], dict):
-            lt = _Table(file, raw["liveness"], errors, prefix="liveness.")
-            lt.check_keys(LIVENESS_KEYS)
-            if "http" not in lt.raw:
-                lt.error("http", 'missing; expected { http = "http://HOST:PORT/PATH" }')
-            v["liveness"] = Liveness(
-                url=lt.get("http", "", _string),  # URL checked after %i expansion
-                interval=lt.get("interval", 5.0, _seconds(zero_ok=False)),
-                timeout=lt.get("timeout", 2.0, _seconds(zero_ok=False)),
-                failures=lt.get("failures", 3, _integer(1)),
-            )
-        else:
-            t.error("liveness", f"expected a table {{ http = URL, interval = 5, timeout = 2, failures = 3 }}, "
-                    f"got {_describe(raw['liveness'])}")  # fmt: skip
+        v["liveness"] = _liveness(file, raw["liveness"], errors)
+    if "progress" in raw:
+        v["progress"] = _progress(file, raw["progress"], errors)
     if v["watchdog_sec"] > 0 and v["ready"].kind is not ReadyKind.NOTIFY:
         t.error("watchdog_sec", f'needs ready = "notify" (the watchdog is fed by WATCHDOG=1 notifications), '
                 f'got ready = "{v["ready"].kind}"')  # fmt: skip
@@ -199,6 +197,112 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
         requires=t.get("requires", (), _string_list),
         gpus=t.get("gpus", None, _gpus),
     )
+
+
+_LIVENESS_EXPECTED = ('a table { http = URL, interval = 5, timeout = 2, failures = 3 } (also method, body, '
+                      'headers, expect) or { exec = ["program", "arg"], interval, timeout, failures }')
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 token
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+def _liveness(file: Path, raw: Any, errors: list[UnitFileError]) -> Liveness | None:
+    if not isinstance(raw, dict):
+        errors.append(UnitFileError(file, "liveness", f"expected {_LIVENESS_EXPECTED}, got {_describe(raw)}"))
+        return None
+    lt = _Table(file, raw, errors, prefix="liveness.")
+    lt.check_keys(LIVENESS_KEYS)
+    common = dict(interval=lt.get("interval", 5.0, _seconds(zero_ok=False)),
+                  timeout=lt.get("timeout", 2.0, _seconds(zero_ok=False)),
+                  failures=lt.get("failures", 3, _integer(1)))
+    if ("http" in raw) == ("exec" in raw):
+        lt.error("http", 'expected exactly one of http = "http://HOST:PORT/PATH" or exec = ["program", ...], '
+                 f"got {'both' if 'http' in raw else 'neither'}")
+        return None
+    if "exec" in raw:
+        for key in ("method", "body", "headers", "expect"):
+            if key in raw:
+                lt.error(key, "applies to the http form only; expected it absent with exec")
+        return Liveness(exec=lt.get("exec", ("true",), _argv), **common)
+    method = lt.get("method", "GET", _choice_of("GET", "POST"))
+    body = lt.get("body", "", _string)
+    if body and method != "POST":
+        lt.error("body", 'is sent with method = "POST" only; expected method = "POST" or no body')
+    return Liveness(
+        url=lt.get("http", "", _string),  # URL checked after %i expansion
+        method=method,
+        body=body,
+        headers=lt.get("headers", (), _headers),
+        expect=lt.get("expect", (), _statuses),
+        **common,
+    )
+
+
+def _choice_of(*words: str) -> Callable[[Any], str]:
+    def convert(value: Any) -> str:
+        if value in words:
+            return value
+        raise _Invalid(f"expected one of {', '.join(_quote(w) for w in words)}, got {_describe(value)}")
+
+    return convert
+
+
+def _headers(value: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, dict):
+        raise _Invalid(f'expected a table of strings such as {{ "Content-Type" = "application/json" }}, '
+                       f"got {_describe(value)}")
+    out = []
+    for name, text in value.items():
+        if not _HEADER_NAME.fullmatch(name) or name.lower() in ("host", "content-length", "connection"):
+            raise _Invalid("expected an HTTP header name (letters, digits, '-'; not Host, Content-Length or "
+                           f"Connection, which omnid sets), got {_quote(name)}", name)
+        if not isinstance(text, str) or any(c in text for c in "\r\n\0"):
+            raise _Invalid(f"expected a string without line breaks, got {_describe(text)}", name)
+        out.append((name, text))
+    return tuple(out)
+
+
+def _statuses(value: Any) -> tuple[int, ...]:
+    items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(v, int) and not isinstance(v, bool) and 100 <= v <= 599 for v in items):
+        raise _Invalid(f"expected an HTTP status (100 to 599) or an array of them, e.g. [200, 204], "
+                       f"got {_describe(value)}")
+    return tuple(items)
+
+
+def _metric_name(value: Any) -> str:
+    if isinstance(value, str) and _METRIC_NAME.fullmatch(value):
+        return value
+    raise _Invalid(f'expected a Prometheus metric name such as "vllm:generation_tokens_total", got {_describe(value)}')
+
+
+def _metric_names(value: Any) -> tuple[str, ...]:
+    names = _string_list(value)
+    if not names:
+        raise _Invalid('expected at least one gauge name, e.g. ["vllm:num_requests_running"]')
+    return tuple(_metric_name(n) for n in names)
+
+
+def _progress(file: Path, raw: Any, errors: list[UnitFileError]) -> Progress | None:
+    expected = ('a table { metrics = URL, counter = NAME, busy = [NAME, ...], stall_sec = 60, interval = 5 }')
+    if not isinstance(raw, dict):
+        errors.append(UnitFileError(file, "progress", f"expected {expected}, got {_describe(raw)}"))
+        return None
+    pt = _Table(file, raw, errors, prefix="progress.")
+    pt.check_keys(PROGRESS_KEYS)
+    for key in ("metrics", "counter", "busy"):
+        if key not in raw:
+            pt.error(key, f"missing; expected {expected}")
+    p = Progress(
+        metrics=pt.get("metrics", "", _string),  # URL checked after %i expansion
+        counter=pt.get("counter", "", _metric_name),
+        busy=pt.get("busy", (), _metric_names),
+        stall_sec=pt.get("stall_sec", 60.0, _seconds(zero_ok=False)),
+        interval=pt.get("interval", 5.0, _seconds(zero_ok=False)),
+    )
+    if p.interval > p.stall_sec:
+        pt.error("interval", f"expected seconds <= stall_sec ({p.stall_sec:g}): a stall is seen only between "
+                 f"two scrapes; got {p.interval:g}")
+    return p
 
 
 def _boolean(value: Any) -> bool:

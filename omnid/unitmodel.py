@@ -96,12 +96,45 @@ class Ready:
 
 @dataclass(frozen=True)
 class Liveness:
-    """Periodic HTTP probe while active: `failures` failed probes in a row fail the unit."""
+    """Periodic probe while active: `failures` failed probes in a row fail the unit.
 
-    url: str
+    The http form (`url` set) sends `method` with `body` and `headers` and passes when
+    the status is in `expect` (empty: any 2xx); the exec form (`exec` set) runs that
+    program as the unit's user and passes when it exits 0 within `timeout`."""
+
+    url: str = ""
     interval: float = 5.0
     timeout: float = 2.0
     failures: int = 3
+    method: str = "GET"
+    body: str = ""
+    headers: tuple[tuple[str, str], ...] = ()
+    expect: tuple[int, ...] = ()  # accepted statuses; () = any 2xx
+    exec: tuple[str, ...] = ()
+
+    def accepts(self, status: int) -> bool:
+        return status in self.expect if self.expect else 200 <= status < 300
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Forward-progress watchdog on a Prometheus endpoint: the unit fails when the `busy`
+    gauges (summed over their labels) are > 0 and `counter` (summed) has not grown for
+    `stall_sec` seconds; scraped every `interval` seconds."""
+
+    metrics: str
+    counter: str
+    busy: tuple[str, ...]
+    stall_sec: float = 60.0
+    interval: float = 5.0
+
+
+class KillMode(StrEnum):
+    """Who gets `stop_signal` (systemd's KillMode=)."""
+
+    CONTROL_GROUP = "control-group"  # every process of the unit at once
+    MIXED = "mixed"  # the main process; the rest SIGKILLed once it has exited, or at stop_timeout
+    PROCESS = "process"  # the main process; the rest get stop_signal once it has exited
 
 
 @dataclass(frozen=True)
@@ -178,6 +211,8 @@ class Unit:
     ready: Ready = Ready()
     ready_timeout: float = 600.0
     liveness: Liveness | None = None
+    progress: Progress | None = None
+    ready_interval: float = 5.0  # an http/tcp `ready` probe keeps running while active; 0 = off
     watchdog_sec: float = 0.0
     stop_signal: signal.Signals = signal.SIGTERM
     stop_timeout: float = 10.0
@@ -185,6 +220,12 @@ class Unit:
     torch_distributed: TorchDistributed | None = None
     group_hosts: tuple[str, ...] = ()  # a worker group across hosts (omnid.cluster): the leading host first
     kill_timeout: float = 10.0
+    kill_mode: KillMode = KillMode.CONTROL_GROUP
+    # After the main process exits by itself: how long its leftovers have, after stop_signal,
+    # before SIGKILL (a resource tracker unlinks what it registered); 0 = SIGKILL at once.
+    leftover_timeout: float = 3.0
+    private_tmp: bool = True  # TMPDIR (TMP, TEMP) = a directory of this instance's own
+    remove_ipc: bool = True  # its processes' POSIX and SysV IPC objects go with the unit
     # Seconds the hang capture (omnid.forensics) may take before a unit that is alive but
     # failed is killed; 0 = no capture.
     capture_timeout: float = 3.0

@@ -27,13 +27,13 @@ from omnid.unitfile import _Template, _parse_settings, _parse_unit_file, _read_t
 from omnid.unitmodel import DaemonSettings, SETTINGS_FILE, Stack, StackInvalid, Unit, UnitFileError, _NAME
 from omnid.unitvalues import MAX_UNITS
 from omnid.unitmodel import (  # noqa: F401 - re-exported
-    DEFAULT_TITLE, DaemonSettings, DrainHook, GpuRef, Liveness, LogFormat, NumaMode, RESERVED_ENV, RLIMITS, Ready, ReadyKind, RestartPolicy, Rlimit, SETTINGS_FILE, Stack, StackInvalid, TORCH_ENV, TorchDistributed, Unit, UnitFileError,
+    DEFAULT_TITLE, DaemonSettings, DrainHook, GpuRef, KillMode, Liveness, Progress, LogFormat, NumaMode, RESERVED_ENV, RLIMITS, Ready, ReadyKind, RestartPolicy, Rlimit, SETTINGS_FILE, Stack, StackInvalid, TORCH_ENV, TorchDistributed, Unit, UnitFileError,
 )
 from omnid.unitvalues import (  # noqa: F401 - re-exported
     InvalidValue, MAX_INSTANCES, MAX_RLIMIT, MAX_SECONDS, MAX_UNITS, parse_host_port, parse_signal,
 )
 from omnid.unitfile import (  # noqa: F401 - re-exported
-    GROUP_POLICY_KEYS, LIVENESS_KEYS, MAX_UNIT_FILE_BYTES, SETTINGS_KEYS, TORCH_DISTRIBUTED_KEYS, UNIT_KEYS,
+    GROUP_POLICY_KEYS, LIVENESS_KEYS, MAX_UNIT_FILE_BYTES, PROGRESS_KEYS, SETTINGS_KEYS, TORCH_DISTRIBUTED_KEYS, UNIT_KEYS,
 )
 
 

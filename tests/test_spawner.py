@@ -5,6 +5,7 @@ exec is what it got one spawn at a time (checked in /proc of the real children).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import signal
 import socket
@@ -228,3 +229,24 @@ def test_a_big_tier_goes_out_in_parts_as_it_is_built(sends):
                 await run.kill_and_reap(spawned)
 
     asyncio.run(main())
+
+
+def test_a_pidfd_numbered_above_1024_is_read_by_poll_not_select():
+    """A daemon holding a pidfd and two pipes per unit passes fd 1024 at ~340 units; select()
+    refuses such fds (ValueError), which failed every unit's stop past that number."""
+    import subprocess
+
+    from omnid import linux
+
+    child = subprocess.Popen(["sleep", "30"])
+    low = os.pidfd_open(child.pid)
+    high = fcntl.fcntl(low, fcntl.F_DUPFD_CLOEXEC, 1500)
+    os.close(low)
+    try:
+        assert high >= 1500
+        assert not linux.pidfd_exited(high)
+        child.kill()
+        child.wait()
+        assert linux.pidfd_exited(high)
+    finally:
+        os.close(high)

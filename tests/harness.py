@@ -48,6 +48,23 @@ def repo_pythonpath() -> str:
     return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 
+def cgroup2_for_tests() -> tuple[str | None, str]:
+    """(a cgroup v2 mount where the tests can make cgroups, "") or (None, what is missing):
+    root, a cgroup2 mount, and that mount and its cgroup.procs writable. The one condition
+    every cgroup test skips on, so that they agree on a host."""
+    from omnid.cgroup import cgroup2_mounts
+
+    if os.geteuid() != 0:
+        return None, "needs root to create cgroups"
+    mounts = cgroup2_mounts()
+    if not mounts:
+        return None, "no cgroup v2 mount (/proc/self/mountinfo lists none)"
+    for m in mounts:
+        if os.access(m, os.W_OK) and os.access(os.path.join(m, "cgroup.procs"), os.W_OK):
+            return m, ""
+    return None, f"no writable cgroup v2 mount (mounted: {', '.join(mounts)}; read-only or cgroup.procs not writable)"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -116,9 +133,9 @@ class Daemon:
         self.cgroup_root = cgroup_root
         self._own_cgroup_root = False
         if cgroup_root is None and self.env.get("OMNID_TEST_CGROUP") == "1":
-            from omnid.cgroup import cgroup2_mounts
-
-            self.cgroup_root = os.path.join(cgroup2_mounts()[0], f"omnid-test-{self.workdir.name}")
+            mount, missing = cgroup2_for_tests()
+            assert mount is not None, f"OMNID_TEST_CGROUP=1 but {missing}"
+            self.cgroup_root = os.path.join(mount, f"omnid-test-{self.workdir.name}")
             self._own_cgroup_root = True
 
     # -- life ---------------------------------------------------------------

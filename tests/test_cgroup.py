@@ -16,21 +16,11 @@ import uuid
 import pytest
 
 from omnid import cgroup as cgm
-from tests.harness import Daemon, make_stack, remove_cgroup_tree, wait_for
+from tests.harness import Daemon, cgroup2_for_tests, make_stack, remove_cgroup_tree, wait_for
 
 MOUNTS = cgm.cgroup2_mounts()
-
-
-def _usable_mount() -> str | None:
-    for m in MOUNTS:
-        if os.access(m, os.W_OK) and os.access(os.path.join(m, "cgroup.procs"), os.W_OK):
-            return m
-    return None
-
-
-MOUNT = _usable_mount()
-needs_cgroup2 = pytest.mark.skipif(MOUNT is None or os.geteuid() != 0,
-                                   reason=f"no writable cgroup v2 mount as root (cgroup2 mounts: {MOUNTS or 'none'})")
+MOUNT, _MISSING = cgroup2_for_tests()
+needs_cgroup2 = pytest.mark.skipif(MOUNT is None, reason=_MISSING)
 
 
 @pytest.fixture

@@ -93,7 +93,7 @@ fragments = st.sampled_from(['exec = ["sleep", "1"]\n', "instances = 2\n", 'requ
 def test_raw_unit_file_text_never_raises(parts, depth):
     d = Path(tempfile.mkdtemp(prefix="omfz-", dir="/tmp"))
     try:
-        (d / "a.toml").write_text("".join(parts), errors="surrogatepass" if False else "strict")
+        (d / "a.toml").write_text("".join(parts))  # st.text() has no lone surrogates: always UTF-8
         (d / "b.toml").write_text('exec = ["x"]\nv = ' + "[" * depth + "]" * depth + "\n")
         errors = assert_clean(d)
         if depth > 2000:
@@ -143,8 +143,6 @@ def test_control_protocol_property(tmp_path):
         def prop(req):
             seen["n"] += 1
             payload = json.dumps(req, allow_nan=True).encode()
-            if isinstance(req.get("args"), dict) and "timeout" in req["args"] and req["cmd"] in ("start", "stop"):
-                req["args"]["timeout"] = req["args"]["timeout"]  # (kept: the daemon must bound it)
             rep = d.raw(payload, timeout=20)
             assert isinstance(rep.get("ok"), bool), rep
             if not rep["ok"]:

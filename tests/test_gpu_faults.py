@@ -228,10 +228,22 @@ def test_fake_gpu_hung_call_is_cut_at_its_deadline_then_fails_at_once_with_one_s
 def test_fake_gpu_hung_call_in_the_middle_of_wait_released_is_cannot_tell_not_released():
     b = fake(timeout=0.3)
     b.set_process(4242, 1000, mig=MIG_A)
+    reads: list[list] = []
+    real_processes = b.processes
+
+    def counted(items=None):
+        out = real_processes(items)
+        reads.append(out)
+        return out
+
+    b.processes = counted  # type: ignore[method-assign]
 
     async def main():
         waiting = asyncio.ensure_future(wait_released(b, [4242], 5.0, items=[MIG_A]))
-        await asyncio.sleep(0.2)
+        deadline = time.monotonic() + 5
+        while not reads:  # one read has seen pid 4242 holding memory: then the driver hangs
+            assert time.monotonic() < deadline and not waiting.done(), "no GPU read within 5 s"
+            await asyncio.sleep(0.01)
         b.set_hang(True)
         t0 = time.monotonic()
         ms, left = await waiting
@@ -242,7 +254,7 @@ def test_fake_gpu_hung_call_in_the_middle_of_wait_released_is_cannot_tell_not_re
     finally:
         b.set_hang(False)
     assert ms is None and took < 1.5
-    assert left == [] or left[0].pid == 4242  # what it saw last, never "released"
+    assert [p.pid for p in left] == [4242], left  # what it saw last, never "released"
 
 
 def test_fake_gpu_hung_call_never_stalls_the_watch_or_its_event_loop():

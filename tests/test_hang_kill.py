@@ -53,10 +53,17 @@ def test_capture_timeout_zero_kills_without_a_capture(tmp_path, daemon_factory):
     victim = d.wait_state("worker", "active")["pid"]
     import os
 
+    import select
+
     fd = os.pidfd_open(victim)
-    signal.pidfd_send_signal(fd, signal.SIGSTOP)
-    os.close(fd)
-    w = d.wait_state("worker", "failed", timeout=20)
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGSTOP)
+        w = d.wait_state("worker", "failed", timeout=20)
+        # the kernel's word that the stopped victim is dead (its pidfd readable), not a reused pid
+        assert select.select([fd], [], [], 0)[0], f"pid {victim} still alive after `failed`"
+    finally:
+        os.close(fd)
+    assert w["last_signal"] == "SIGKILL", w
     assert "stacks:" not in w["reason"] and d.ok("dump", {"unit": "worker"})["captures"] == []
 
 

@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 
 from omnid import linux
-from tests.harness import REPO, Daemon, alive, make_stack, repo_pythonpath, temp_dir, wait_for
+from tests.harness import REPO, Daemon, alive, cgroup2_for_tests, make_stack, repo_pythonpath, temp_dir, wait_for
+
+CGROUP2, CGROUP2_MISSING = cgroup2_for_tests()  # the same condition as tests/test_cgroup.py
 
 PY = sys.executable
 SLEEP = 'exec = ["sleep", "1000"]\nstop_timeout = 2\n'
@@ -303,12 +305,11 @@ def test_reexec_keeps_worker_groups_and_user_units(daemon_factory):
     assert ids(d)["mine"] == before["mine"]
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not __import__("omnid.cgroup", fromlist=["x"]).cgroup2_mounts(),
-                    reason="needs a writable cgroup v2 mount as root")
+@pytest.mark.skipif(CGROUP2 is None, reason=CGROUP2_MISSING)
 def test_reexec_under_the_cgroup_backend_keeps_each_units_cgroup(daemon_factory):
     from omnid import cgroup as cgm
 
-    root = os.path.join(cgm.cgroup2_mounts()[0], f"omnid-rx-{os.getpid()}-{time.monotonic_ns()}")
+    root = os.path.join(CGROUP2, f"omnid-rx-{os.getpid()}-{time.monotonic_ns()}")
     d = daemon_factory(make_stack({"a": SLEEP, "b": SLEEP}), cgroup_root=root)
     try:
         d.wait_all_active()

@@ -17,7 +17,9 @@ import pytest
 from omnid import linux
 from omnid.core.reload import plan
 from omnid.units import load_stack
-from tests.harness import REPO, alive, make_stack, repo_pythonpath, wait_for
+from tests.harness import REPO, alive, cgroup2_for_tests, make_stack, repo_pythonpath, wait_for
+
+CGROUP2, CGROUP2_MISSING = cgroup2_for_tests()  # the same condition as tests/test_cgroup.py
 
 PY = sys.executable
 SLEEP = 'exec = ["sleep", "1000"]\nstop_timeout = 2\n'
@@ -242,13 +244,11 @@ def test_reload_of_a_256_unit_stack_changing_one_unit_keeps_255_pids(daemon_fact
     print(f"\nreload of a 256-unit stack changing one unit: {took:.2f} s (CLI, plan + apply)")
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not __import__("omnid.cgroup", fromlist=["x"]).cgroup2_mounts(),
-                    reason="needs a writable cgroup v2 mount as root")
+@pytest.mark.skipif(CGROUP2 is None, reason=CGROUP2_MISSING)
 def test_reload_under_the_cgroup_backend_moves_only_the_changed_units_cgroups(daemon_factory):
-    from omnid import cgroup as cgm
     from tests.harness import remove_cgroup_tree
 
-    root = os.path.join(cgm.cgroup2_mounts()[0], f"omnid-rl-{os.getpid()}-{time.monotonic_ns()}")
+    root = os.path.join(CGROUP2, f"omnid-rl-{os.getpid()}-{time.monotonic_ns()}")
     d_dir = make_stack({"keep": SLEEP, "edit": SLEEP, "gone": SLEEP})
     d = daemon_factory(d_dir, cgroup_root=root)
     try:

@@ -10,7 +10,46 @@ import random
 import signal
 import time
 
+from omnid import linux
+from omnid.process import UNIT_TAG
 from tests.harness import make_stack, wait_for
+
+
+def kernel_units() -> dict[str, set[int]]:
+    """What /proc says runs: unit tag -> live pids carrying it, for this test's processes."""
+    me = os.environ["OMNID_TEST_ID"]
+    out: dict[str, set[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or linux.read_environ_var(int(name), "OMNID_TEST_ID") != me:
+            continue
+        unit = linux.read_environ_var(int(name), UNIT_TAG)
+        st = linux.read_stat(int(name))
+        if unit is not None and st is not None and st.state not in ("Z", "X"):
+            out.setdefault(unit, set()).add(int(name))
+    return out
+
+
+def matches_the_kernel(units: dict[str, dict], spawner: int) -> list[str]:
+    """Each active unit's main pid is alive in /proc, a child of the spawner, leading its own
+    process group, tagged with its name; every tagged process is in its unit's group."""
+    problems = []
+    running = kernel_units()
+    for name, u in units.items():
+        pid = u["pid"]
+        st = linux.read_stat(pid) if pid else None
+        if st is None or st.state in ("Z", "X"):
+            problems.append(f"{name}: pid {pid} is not alive in /proc")
+            continue
+        if st.ppid != spawner or st.pgid != pid or linux.read_environ_var(pid, UNIT_TAG) != name:
+            problems.append(f"{name}: pid {pid} has ppid {st.ppid}, pgid {st.pgid}, tag "
+                            f"{linux.read_environ_var(pid, UNIT_TAG)!r}")
+        for other in running.get(name, set()):
+            o = linux.read_stat(other)
+            if o is not None and o.pgid != pid:
+                problems.append(f"{name}: pid {other} carries its tag outside its group {pid}")
+    for tag in set(running) - set(units):
+        problems.append(f"processes {sorted(running[tag])} carry tag {tag!r}, which is no unit")
+    return problems
 
 
 def test_interleaved_requests_and_sigkills_leave_state_matching_the_kernel(daemon_factory):
@@ -73,8 +112,15 @@ def test_interleaved_requests_and_sigkills_leave_state_matching_the_kernel(daemo
     # Converge to the operator's last word: everything started, then the kernel must agree.
     d.ok("start", {"timeout": 30}, timeout=40)
     d.wait_all_active(30)
+    spawner = next(e for e in d.log_events() if e.get("event") == "daemon ready")["spawner_pid"]
+    # the kernel's word, not omnid's: wait (bounded) for the last restarts to settle
+    wait_for(lambda: not matches_the_kernel(d.units(), spawner), 10,
+             f"the units' state to match /proc: {matches_the_kernel(d.units(), spawner)}")
+    assert {n for n, u in d.units().items() if u["state"] == "active"} == set(kernel_units())
+    assert len(kernel_units()["serve"]) == 2  # its shell's background sleep and the exec'd one
     v = wait_for(lambda: (s := d.ok("status", {"verify": True}))["verify"]["ok"] and s, 5, "verify ok")
     assert not v["verify"]["invariant_violations"], v["verify"]["invariant_violations"]
     summary = d.ok("shutdown", timeout=60)["summary"]
     assert all(not r["unkillable"] for r in summary)
     assert d.wait_exit(30) == 0
+    assert kernel_units() == {}, kernel_units()

@@ -33,11 +33,11 @@ def _live(pid: int) -> bool:
 def test_liveness_monitor_survives_a_probe_that_raises_an_unexpected_error(monkeypatch):
     calls = []
 
-    async def broken_probe(url, timeout):
+    async def broken_probe(url, timeout, **_request):
         calls.append(url)
         raise RuntimeError("injected probe bug")
 
-    monkeypatch.setattr(probes, "http_probe", broken_probe)
+    monkeypatch.setattr(probes, "http_check", broken_probe)  # the http form of liveness
     unit = insup.SLEEPER + 'liveness = { http = "http://127.0.0.1:9/", interval = 0.05, timeout = 0.2, failures = 2 }\n'
 
     async def body(sup):
@@ -161,7 +161,7 @@ def test_failed_is_published_only_after_the_kernel_proves_the_group_empty():
     while the unit's main process and its child die together: the child stays a zombie in
     the group, so `failed` must wait until the spawner reaps it (about 2.5 s later here)."""
     family = ('exec = ["python3", "-c", "import os, time, signal\\nif os.fork() == 0:\\n'
-              '    os.setpgid(0, 0) if False else None\\n    time.sleep(1000)\\nelse:\\n    time.sleep(1000)"]\n'
+              '    time.sleep(1000)\\nelse:\\n    time.sleep(1000)"]\n'
               'stop_timeout = 2\nkill_timeout = 2\nrestart = "no"\n')
 
     async def body(sup):
@@ -299,9 +299,10 @@ def _force_pid(pid: int) -> subprocess.Popen | None:
     return None
 
 
-def test_a_stranger_that_reused_a_dead_units_pgid_is_never_signalled():
+def stranger_scenario() -> None:
     """The leader died and was reaped; a stranger now leads a group with the same number.
-    signal_group and the kill policy must leave it alone (no killpg on a bare number)."""
+    signal_group and the kill policy must leave it alone (no killpg on a bare number).
+    Runs as pid 1 of a pid namespace of its own (see the test below)."""
 
     async def main():
         child = subprocess.Popen(["sleep", "1000"], start_new_session=True)
@@ -314,9 +315,7 @@ def test_a_stranger_that_reused_a_dead_units_pgid_is_never_signalled():
         h.exited.set()
         h.reaped.set()
         stranger = _force_pid(child.pid)
-        if stranger is None:
-            os.close(pidfd)
-            pytest.skip("cannot force pid reuse through /proc/sys/kernel/ns_last_pid here")
+        assert stranger is not None, "could not reuse the pid through ns_last_pid in our own pid namespace"
         try:
             assert os.getpgid(stranger.pid) == h.pgid
             assert not h.leader_alive()
@@ -332,6 +331,30 @@ def test_a_stranger_that_reused_a_dead_units_pgid_is_never_signalled():
             os.close(pidfd)
 
     asyncio.run(main())
+    print("stranger scenario: ok")
+
+
+def test_a_stranger_that_reused_a_dead_units_pgid_is_never_signalled():
+    """stranger_scenario in a pid namespace of its own (unshare(1); with a user namespace when
+    not root): there this test owns the pid numbers, so ns_last_pid is writable whatever the
+    host allows and no other process can take the reused number first."""
+    import shutil
+    import sys
+
+    from tests.harness import REPO, repo_pythonpath
+
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("needs unshare(1) from util-linux to make a pid namespace")
+    ns = ["--pid", "--fork", "--mount-proc"] if os.geteuid() == 0 else \
+        ["--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]
+    r = subprocess.run([unshare, *ns, sys.executable, "-c",
+                        "from tests.test_tasks import stranger_scenario; stranger_scenario()"],
+                       cwd=REPO, env=dict(os.environ, PYTHONPATH=repo_pythonpath()), capture_output=True, text=True,
+                       timeout=120)
+    if r.returncode != 0 and r.stderr.startswith("unshare:"):
+        pytest.skip(f"cannot make a pid namespace here: {r.stderr.strip()}")
+    assert r.returncode == 0 and "stranger scenario: ok" in r.stdout, r.stdout + r.stderr
 
 
 def test_leftover_cleanup_uses_the_one_kill_policy_and_skips_a_recycled_pid():

@@ -32,6 +32,7 @@ class Centre(Protocol):
     monitors: Any  # omnid.core.monitors.Monitors
     schedule: Any  # omnid.core.schedule.Schedule
     crosshost: Any  # omnid.core.crosshost.CrossHost, or None: no group spans hosts
+    exits: Any  # omnid.core.exits.ExitBook (a helper's exit report: core/execprobe.py)
 
     def feed(self, rt: UnitRuntime, event: Event, detail: str = "") -> None: ...
 

@@ -43,6 +43,10 @@ S, P, E = UnitState, Phase, Event
 TIMER_EVENTS = {"ready_timeout": E.NOT_READY, "stop_timeout": E.STOP_TIMEOUT, "kill_timeout": E.KILL_TIMEOUT,
                 "capture_timeout": E.CAPTURED, "capture_due": E.CAPTURE_DUE, "drain_timeout": E.DRAINED}
 EXIT_STATUS_WAIT_S = 2.0  # pidfd readable -> the spawner's exit report; then "status unknown"
+# A spawn request -> the spawner's answer, at most: the spawner's own bound from fork to exec
+# (omnid.spawner.SPAWN_EXEC_TIMEOUT_S, 10 s) and a margin. Past it the unit's spawn fails; a late
+# answer is a process no unit owns, killed by the spawner (SpawnerClient._kill_unowned).
+SPAWN_REPLY_TIMEOUT_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,8 @@ class Works:
 
 
 # Tasks that live as long as a state, not a phase.
-_STATE_TASKS = {"ready": S.STARTING, "liveness": S.ACTIVE, "gone": S.STOPPING}
+_STATE_TASKS = {"ready": S.STARTING, "liveness": S.ACTIVE, "progress": S.ACTIVE, "ready-probe": S.ACTIVE,
+                "gone": S.STOPPING}
 
 
 class Executor:
@@ -85,6 +90,7 @@ class Executor:
         }
         self.captures = None  # omnid.capturestore.CaptureStore, when the daemon keeps captures
         self.drains = None  # omnid.core.drain.Drains
+        self.faults = None  # omnid.core.faults.Faults: the test-only injection hook, never set in production
 
     def of(self, rt: UnitRuntime) -> Works:
         w = self.works.get(rt.name)
@@ -104,12 +110,18 @@ class Executor:
     # ------------------------------------------------------------ entry points
     def run(self, rt: UnitRuntime, actions: tuple[Action, ...], ctx: Ctx) -> None:
         """Carry out `actions` for rt in order. A handler that raises is a bug: the unit's
-        position decides what that means (INTERNAL_ERROR), the daemon goes on."""
+        position decides what that means (INTERNAL_ERROR), the daemon goes on. A bug while the
+        way out of a bug is carried out is logged and not fed again (no loop): the rest of that
+        way out is still carried out (the unit is failed, published, its fds closed)."""
         for action in actions:
             try:
+                if self.faults is not None:
+                    self.faults.check_action(rt.name, type(action).__name__)
                 self._handlers[type(action)](rt, action, ctx)
             except Exception as exc:  # noqa: BLE001 - a bug in a handler fails the unit, never the daemon
                 log.exception("action failed", unit=rt.name, action=type(action).__name__)
+                if ctx.event is E.INTERNAL_ERROR:
+                    continue
                 self.sup.feed(rt, E.INTERNAL_ERROR, f"internal error in {type(action).__name__}: "
                                                     f"{type(exc).__name__}: {exc}")
                 return
@@ -180,19 +192,25 @@ class Executor:
             sup.feed(rt, E.SPAWN_FAILED, str(exc))
             return
         try:
-            sp = await sup.spawner.spawn(prep.request, prep.out_w, prep.err_w)
-        except SpawnError as exc:
+            sp = await asyncio.wait_for(sup.spawner.spawn(prep.request, prep.out_w, prep.err_w),
+                                        SPAWN_REPLY_TIMEOUT_S)
+        except (SpawnError, asyncio.TimeoutError) as exc:
             prep.close_read_ends()
             self._cgroup_done(rt)
-            rt.spawn_errno = exc.errno
-            sup.feed(rt, E.SPAWN_FAILED, str(exc))
+            rt.spawn_errno = getattr(exc, "errno", None)
+            sup.feed(rt, E.SPAWN_FAILED, str(exc) if isinstance(exc, SpawnError) else
+                     f"spawn failed: no answer from the spawner within {SPAWN_REPLY_TIMEOUT_S:g} s")
             return
         finally:
             prep.close_write_ends()
         rt.spawn_errno = None
         h = ProcessHandle(unit=rt.name, pid=sp.pid, pidfd=sp.pidfd, pgid=sp.pid, start_time=sp.start_time)
-        rt.output.attach(prep.out_r, prep.err_r)
-        sup.adopt(rt, h)
+        try:
+            rt.output.attach(prep.out_r, prep.err_r)
+        finally:
+            sup.adopt(rt, h)  # held by its pidfd before anything else can fail: a crash now kills it
+        if self.faults is not None:
+            self.faults.check(rt.name, "spawn")
         rt.ready_deadline = time.monotonic() + spec.ready_timeout
         log.debug("spawned", unit=rt.name, pid=h.pid, argv=list(spec.exec))
         sup.feed(rt, E.SPAWNED, reason)
@@ -237,6 +255,19 @@ class Executor:
             term.begin(sig, a.cont)
         if self.sup.shutting_down:
             self.sup.stack_signalled = True
+
+    def kill_now(self, rt: UnitRuntime) -> None:
+        """SIGKILL everything of the unit now, through the termination policy, outside the
+        table's order: the stack stop's deadline passed, or a second SIGTERM/SIGINT came. The
+        deaths come back as events as usual (EXITED, GONE)."""
+        if rt.proc is None:
+            return
+        w = self.of(rt)
+        term = w.term if w.term is not None and rt.state is S.STOPPING else Termination(self.target(rt, rt.proc))
+        if term.t0:
+            term.escalate()
+        else:
+            term.begin(signal.SIGKILL, False)
 
     def _arm_timer(self, rt: UnitRuntime, a: ArmTimer, ctx: Ctx) -> None:
         spec = rt.spec

@@ -7,11 +7,15 @@ first:
   adopts its process);
 - a status read from the pidfd makes the report that follows redundant (`read`: dropped when
   it comes; the spawner reports a reap before any spawn that could reuse the pid).
-Both books are bounded: a spawner that never sends what was expected cannot grow them.
+- a report of a helper the daemon spawned for a unit (an exec probe) belongs to whoever
+  waits for it (`expect_helper`), never to a unit: it is taken, or dropped when nobody
+  waits any more.
+The books are bounded: a spawner that never sends what was expected cannot grow them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 
 from omnid.process import ProcessHandle
@@ -24,6 +28,7 @@ class ExitBook:
     def __init__(self) -> None:
         self._early: collections.OrderedDict[int, ExitReport] = collections.OrderedDict()
         self._read: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._helpers: collections.OrderedDict[int, asyncio.Future[int]] = collections.OrderedDict()
 
     @staticmethod
     def _put(book: collections.OrderedDict, pid: int, value) -> None:
@@ -46,3 +51,25 @@ class ExitBook:
     def already_read(self, pid: int) -> bool:
         """True (once) for a report whose status the pidfd gave first."""
         return self._read.pop(pid, 0) is None
+
+    def expect_helper(self, pid: int) -> asyncio.Future[int]:
+        """The wait status the spawner will report for helper `pid`, just spawned (its
+        report may have come with the spawn's reply: kept early, taken here). The caller
+        reads the pidfd's status first where the kernel gives it (linux.pidfd_exit_status):
+        this is the fallback, and the registration stays until the report comes."""
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._put(self._helpers, pid, fut)
+        rep = self._early.pop(pid, None)
+        if rep is not None:
+            fut.set_result(rep.status)
+            self._helpers.pop(pid, None)
+        return fut
+
+    def helper_exit(self, rep: ExitReport) -> bool:
+        """True when the report is a helper's (taken: it is no unit's business)."""
+        fut = self._helpers.pop(rep.pid, None)
+        if fut is None:
+            return False
+        if not fut.done():
+            fut.set_result(rep.status)
+        return True

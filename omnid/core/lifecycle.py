@@ -11,7 +11,14 @@ stacks before a kill, draining, signalled, killed, waiting for the GPU's memory
 to be freed). A (state, phase) pair is a *position*; every cell of TABLE is the
 whole decision for one position and one event. Cells that depend on the unit
 (does it drain, is the GPU checked, did processes outlive the main one) read the
-`View`. A pair missing from the table is illegal and answered with IllegalEvent.
+`View`. The table is total: every event has a cell in every position (POSITIONS, listed
+by hand below); an event that means nothing in a position is an explicit "ignore" cell
+(`_same`), listed with the reason it means nothing there. Only a (state, phase) pair that is
+no position at all is answered with IllegalEvent (a bug in the supervisor, never an event).
+
+INTERNAL_ERROR (an action or a task working for the unit raised: a bug) has a way out of
+every position: the unit ends `failed` with the reason naming the action and the exception,
+and what it had running is killed first through the termination policy (omnid.termination).
 
 The legal state changes (`LEGAL`) and the diagram in omnid.unit(5) are derived
 from this table; nothing else lists transitions.
@@ -185,6 +192,7 @@ class View:
     capture: bool = False  # stacks are captured before a hung unit is killed
     drain: bool = False  # it has a drain hook
     shutting_down: bool = False  # the whole stack is stopping
+    running: bool = False  # the unit holds a main process (a spawn that crashed after the child was adopted)
 
 
 @dataclass(frozen=True)
@@ -301,6 +309,21 @@ def _kill_after_bug(v: View) -> Step:
                 Cause.FAILURE)
 
 
+def _bug_in_spawn(v: View) -> Step:
+    """The spawn action crashed: before the child existed (nothing runs: failed at once), or
+    after it was adopted (it is killed first, then the unit is failed)."""
+    if v.running:
+        return _kill_after_bug(v)
+    return _SPAWN_FAILED
+
+
+def _bug_in_kill(v: View) -> Step:
+    """The kill path itself broke (SIGKILL was sent when this position was entered): give up
+    loudly, naming what survives, and end `failed` whatever the stop's cause was."""
+    end = _unkillable(View(v.name, v.state, v.phase, v.goal, Cause.FAILURE, gpu=v.gpu))
+    return Step(end.state, end.phase, (RecordFailure(), *end.actions), Cause.FAILURE)
+
+
 def _fenced(v: View) -> Step:
     """This host is cut off from its group across hosts (omnid.cluster): its members must be gone
     before its etcd lease can expire, so no stop signal and no grace: SIGKILL now."""
@@ -316,6 +339,14 @@ _RESPAWN = Step(S.FAILED, P.SPAWNING, (CountStart(), Spawn()))
 _STARTED = Step(S.STARTING, P.IDLE, (Publish(), ArmTimer("ready_timeout"), WatchReady()))
 _SPAWN_FAILED = Step(S.FAILED, P.IDLE, (RecordFailure(), Release(), DecideRestart(), Publish()))
 _DOWN = (E.STOP_REQUESTED, E.DEPENDENCY_DOWN, E.GROUP_DOWN, E.GROUP_FENCED)
+# A bug where nothing runs (a Release or Publish of an end crashed, a GPU wait crashed):
+# failed, naming it; the restart policy decides as for any failure.
+_FAILED_BY_BUG = Step(S.FAILED, P.IDLE, (RecordFailure(), Release(), DecideRestart(), Publish()), Cause.FAILURE)
+# Events grouped by what produces them, for the "ignore" lists below.
+_STARTS = (E.START_REQUESTED, E.RESTART_DUE)  # converge: only inactive or failed units start
+_SPAWN_ANSWERS = (E.SPAWNED, E.SPAWN_FAILED)  # the outcome of a spawn: only while one is out
+_READINESS = (E.READY, E.NOT_READY)  # the readiness check and ready_timeout: only in starting
+_MONITORS = (E.WATCHDOG_EXPIRED, E.LIVENESS_FAILED)  # only in active
 
 Cell = Step | Callable[[View], Step]
 
@@ -352,7 +383,7 @@ def _rows() -> dict[tuple[UnitState, Phase, Event], Cell]:
     # stopping, capturing the stacks of a hung unit (bounded by capture_timeout)
     t[(S.STOPPING, P.CAPTURING, E.CAPTURED)] = _captured
     t[(S.STOPPING, P.CAPTURING, E.EXITED)] = _kill_rest
-    t[(S.STOPPING, P.CAPTURING, E.INTERNAL_ERROR)] = _kill_rest
+    t[(S.STOPPING, P.CAPTURING, E.INTERNAL_ERROR)] = _kill_after_bug
     ignore(S.STOPPING, P.CAPTURING, *_DOWN, E.GPU_FAULT)
     t[(S.STOPPING, P.CAPTURING, E.GROUP_FENCED)] = _kill_rest  # no time left for stacks
     # stopping, draining (a planned stop of a serving unit)
@@ -374,11 +405,11 @@ def _rows() -> dict[tuple[UnitState, Phase, Event], Cell]:
     # stopping, killed: gone, or unkillable at kill_timeout
     t[(S.STOPPING, P.KILLED, E.GONE)] = _ended
     t[(S.STOPPING, P.KILLED, E.KILL_TIMEOUT)] = _unkillable
-    t[(S.STOPPING, P.KILLED, E.INTERNAL_ERROR)] = _unkillable  # the kill path itself broke: give up, loudly
+    t[(S.STOPPING, P.KILLED, E.INTERNAL_ERROR)] = _bug_in_kill  # the kill path itself broke: give up, loudly
     ignore(S.STOPPING, P.KILLED, E.EXITED, *_DOWN, E.GPU_FAULT)
     # stopping, releasing: nothing runs; the stop summary waits for the GPU's memory (bounded)
     t[(S.STOPPING, P.RELEASING, E.RELEASED)] = Step(S.INACTIVE, P.IDLE, (Release(), Publish()))
-    t[(S.STOPPING, P.RELEASING, E.INTERNAL_ERROR)] = Step(S.INACTIVE, P.IDLE, (Release(), Publish()))
+    t[(S.STOPPING, P.RELEASING, E.INTERNAL_ERROR)] = _FAILED_BY_BUG
     ignore(S.STOPPING, P.RELEASING, *_DOWN, E.GPU_FAULT)
     # failed: nothing runs; the restart policy or an operator starts it again
     t[(S.FAILED, P.IDLE, E.START_REQUESTED)] = _RESPAWN
@@ -387,13 +418,57 @@ def _rows() -> dict[tuple[UnitState, Phase, Event], Cell]:
     ignore(S.FAILED, P.IDLE, E.DEPENDENCY_DOWN, E.GROUP_DOWN, E.GROUP_FENCED)
     # failed, releasing: `failed` is published; no restart until the GPU's memory is freed
     t[(S.FAILED, P.RELEASING, E.RELEASED)] = Step(S.FAILED, P.IDLE)
-    t[(S.FAILED, P.RELEASING, E.INTERNAL_ERROR)] = Step(S.FAILED, P.IDLE)
+    t[(S.FAILED, P.RELEASING, E.INTERNAL_ERROR)] = Step(S.FAILED, P.IDLE, (Publish(),))
     ignore(S.FAILED, P.RELEASING, *_DOWN)
+
+    # ---- INTERNAL_ERROR where nothing had a way out before (FM-33)
+    t[(S.INACTIVE, P.IDLE, E.INTERNAL_ERROR)] = _FAILED_BY_BUG
+    t[(S.INACTIVE, P.SPAWNING, E.INTERNAL_ERROR)] = _bug_in_spawn
+    t[(S.FAILED, P.SPAWNING, E.INTERNAL_ERROR)] = _bug_in_spawn
+    t[(S.FAILED, P.IDLE, E.INTERNAL_ERROR)] = Step(S.FAILED, P.IDLE, (Publish(),))  # the reason names it
+
+    # ---- what means nothing where it arrives: explicit, never a hole. The outcome of work
+    # of an older position is void (timers and tasks are scoped to the position they were
+    # started in, and cancelled when it is left); a converge event for a unit that is not in a
+    # position to act on it is answered by the next converge; a death (EXITED) while a stop
+    # is under way is waited for by WatchGone, which proves the whole unit gone.
+    def nothing(state: UnitState, phase: Phase, *events: Event) -> None:
+        for ev in events:
+            if (state, phase, ev) in t:
+                raise AssertionError(f"{state.value}/{phase.value} {ev.value}: listed as ignored and handled")
+            t[(state, phase, ev)] = _same
+
+    nothing(S.INACTIVE, P.IDLE, E.RESTART_DUE, *_SPAWN_ANSWERS, *_READINESS, E.EXITED, *_MONITORS, E.GPU_FAULT,
+            E.CAPTURE_DUE, E.CAPTURED, E.DRAINED, E.STOP_TIMEOUT, E.KILL_TIMEOUT, E.GONE, E.RELEASED)
+    for st in (S.INACTIVE, S.FAILED):
+        # a stop of a unit whose spawn is out: its answer comes within the spawn's bound, and
+        # the converge after SPAWNED stops the unit at once (a spawn cannot be taken back)
+        nothing(st, P.SPAWNING, *_STARTS, *_READINESS, E.EXITED, *_MONITORS, E.GPU_FAULT, E.CAPTURE_DUE,
+                E.CAPTURED, E.DRAINED, E.STOP_TIMEOUT, E.KILL_TIMEOUT, E.GONE, E.RELEASED)
+    nothing(S.STARTING, P.IDLE, *_STARTS, *_SPAWN_ANSWERS, *_MONITORS, E.CAPTURE_DUE, E.CAPTURED, E.DRAINED,
+            E.STOP_TIMEOUT, E.KILL_TIMEOUT, E.GONE, E.RELEASED)
+    nothing(S.ACTIVE, P.IDLE, *_STARTS, *_SPAWN_ANSWERS, *_READINESS, E.CAPTURE_DUE, E.CAPTURED, E.DRAINED,
+            E.STOP_TIMEOUT, E.KILL_TIMEOUT, E.GONE, E.RELEASED)
+    nothing(S.STOPPING, P.CAPTURING, *_STARTS, *_SPAWN_ANSWERS, *_READINESS, *_MONITORS, E.CAPTURE_DUE,
+            E.DRAINED, E.STOP_TIMEOUT, E.KILL_TIMEOUT, E.GONE, E.RELEASED)
+    nothing(S.STOPPING, P.DRAINING, *_STARTS, *_SPAWN_ANSWERS, *_READINESS, *_MONITORS, E.CAPTURE_DUE,
+            E.CAPTURED, E.STOP_TIMEOUT, E.KILL_TIMEOUT, E.GONE, E.RELEASED)
+    nothing(S.STOPPING, P.SIGNALLED, *_STARTS, *_SPAWN_ANSWERS, *_READINESS, *_MONITORS, E.CAPTURED, E.DRAINED,
+            E.KILL_TIMEOUT, E.RELEASED)
+    nothing(S.STOPPING, P.KILLED, *_STARTS, *_SPAWN_ANSWERS, *_READINESS, *_MONITORS, E.CAPTURE_DUE, E.CAPTURED,
+            E.DRAINED, E.STOP_TIMEOUT, E.RELEASED)
+    nothing(S.STOPPING, P.RELEASING, *_STARTS, *_SPAWN_ANSWERS, *_READINESS, E.EXITED, *_MONITORS,
+            E.CAPTURE_DUE, E.CAPTURED, E.DRAINED, E.STOP_TIMEOUT, E.KILL_TIMEOUT, E.GONE)
+    nothing(S.FAILED, P.IDLE, *_SPAWN_ANSWERS, *_READINESS, E.EXITED, *_MONITORS, E.GPU_FAULT, E.CAPTURE_DUE,
+            E.CAPTURED, E.DRAINED, E.STOP_TIMEOUT, E.KILL_TIMEOUT, E.GONE, E.RELEASED)
+    nothing(S.FAILED, P.RELEASING, *_STARTS, *_SPAWN_ANSWERS, *_READINESS, E.EXITED, *_MONITORS, E.GPU_FAULT,
+            E.CAPTURE_DUE, E.CAPTURED, E.DRAINED, E.STOP_TIMEOUT, E.KILL_TIMEOUT, E.GONE)
     return t
 
 
 TABLE: dict[tuple[UnitState, Phase, Event], Cell] = _rows()
 POSITIONS: tuple[tuple[UnitState, Phase], ...] = tuple(dict.fromkeys((s, p) for s, p, _e in TABLE))
+IGNORED: frozenset[tuple[UnitState, Phase, Event]] = frozenset(k for k, c in TABLE.items() if c is _same)
 
 
 def step(view: View, event: Event) -> Step:

@@ -1,17 +1,22 @@
-"""Watching a unit's process: readiness while `starting`, the sd_notify watchdog and the
-liveness probe while `active`, and the notify messages themselves. Monitors only
-report facts -- READY, NOT_READY, WATCHDOG_EXPIRED, LIVENESS_FAILED -- by feeding
-them to the supervisor; the lifecycle table decides what follows. Every monitor is a
-task of the executor's (a crash becomes the unit's INTERNAL_ERROR)."""
+"""Watching a unit's process: readiness while `starting`; while `active` the sd_notify
+watchdog, the liveness probe (http or exec), the progress rule and the readiness probe that
+continues; and the notify messages themselves. Monitors only report facts -- READY,
+NOT_READY, WATCHDOG_EXPIRED, LIVENESS_FAILED -- by feeding them to the supervisor; the
+lifecycle table decides what follows. The readiness probe that continues changes no state:
+a unit that says it is not ready is *degraded* (`not_ready`, read by /health and status
+like the GPU watch's `degraded`), never stopped. Every monitor is a task of the
+executor's (a crash becomes the unit's INTERNAL_ERROR), one probe at a time each."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import structlog
 
 from omnid import linux, probes
+from omnid.core import execprobe, progress
 from omnid.core.lifecycle import Event, Phase, UnitState
 from omnid.core.runtime import UnitRuntime
 from omnid.process import DAEMON_TAG, UNIT_TAG
@@ -22,6 +27,7 @@ from omnid.core.centre import Centre
 log = structlog.get_logger("omnid.supervisor")
 S, E = UnitState, Event
 EARLY_NOTIFY_MAX = 4096  # sessions whose notify came before their spawn reply, at most
+READY_PROBE_TIMEOUT_S = 2.0  # one readiness probe, at start and while active
 
 
 class Monitors:
@@ -31,6 +37,9 @@ class Monitors:
         # session id -> notify messages that arrived before the spawner's reply with its pid
         self.early: dict[int, list[dict[str, str]]] = {}
         self._senders: dict[int, tuple[str | None, float]] = {}  # notify sender pid -> (unit, valid until)
+        # unit -> why its readiness probe fails while it is active (/health: degraded)
+        self.not_ready: dict[str, str] = {}
+        self._reason_before: dict[str, str] = {}  # unit -> its reason before it was not ready
 
     # ------------------------------------------------------------ readiness
     async def readiness(self, rt: UnitRuntime) -> None:
@@ -48,9 +57,9 @@ class Monitors:
         while True:
             try:
                 if ready.kind is ReadyKind.HTTP:
-                    await probes.http_probe(ready.url, timeout=2.0)
+                    await probes.http_probe(ready.url, timeout=READY_PROBE_TIMEOUT_S)
                 else:
-                    await probes.tcp_probe(ready.host, ready.port, timeout=2.0)
+                    await probes.tcp_probe(ready.host, ready.port, timeout=READY_PROBE_TIMEOUT_S)
                 break
             except probes.ProbeFailed as exc:
                 if str(exc) != last:
@@ -65,38 +74,111 @@ class Monitors:
             self.sup.feed(rt, E.READY, "started" if rt.spec.ready.kind is ReadyKind.STARTED else "ready")
 
     # ------------------------------------------------------------ while active
+    # The probe tasks of an active unit (the executor keeps them while the unit is active).
+    PROBE_TASKS = ("liveness", "progress", "ready-probe")
+
     def start(self, rt: UnitRuntime) -> None:
         if rt.spec.watchdog_sec > 0 and rt.spec.ready.kind is ReadyKind.NOTIFY:
             rt.watchdog_last = time.monotonic()
             self._arm_watchdog(rt)
-        if rt.spec.liveness is not None:
-            self.sup.executor._task(rt, "liveness", self._liveness(rt))
+        self._start_probes(rt)
 
     def resume(self, rt: UnitRuntime) -> None:
         """An active unit taken over across the daemon's re-exec: the watchdog keeps counting
-        from the last ping it had, the liveness probe starts again."""
+        from the last ping it had, the probes start again (the readiness probe at once: what
+        it said before the re-exec is not carried over)."""
         if rt.spec.watchdog_sec > 0 and rt.spec.ready.kind is ReadyKind.NOTIFY:
             left = max(0.0, rt.watchdog_last + rt.spec.watchdog_sec - time.monotonic())
             self._watchdogs[rt.name] = asyncio.get_running_loop().call_later(left, self._expired, rt)
-        if rt.spec.liveness is not None:
-            self.sup.executor._task(rt, "liveness", self._liveness(rt))
+        if not rt.ready and rt.reason.startswith("not ready: "):
+            # The previous program's view (the record keeps ready and reason): it holds until
+            # the first probe, at once, says otherwise.
+            self.not_ready[rt.name] = rt.reason
+            self._reason_before[rt.name] = "ready"
+        self._start_probes(rt, ready_first=0.0)
+
+    def _start_probes(self, rt: UnitRuntime, ready_first: float | None = None) -> None:
+        spec, ex = rt.spec, self.sup.executor
+        if spec.liveness is not None:
+            ex._task(rt, "liveness", self._liveness(rt))
+        if spec.progress is not None:
+            ex._task(rt, "progress", progress.watch(self.sup, rt))
+        if spec.ready_interval > 0 and spec.ready.kind in (ReadyKind.HTTP, ReadyKind.TCP):
+            ex._task(rt, "ready-probe", self._ready_probe(rt, ready_first))
+        else:
+            self._ready_again(rt)  # no probe to say it any more (a reload turned it off)
+
+    def _stop_probes(self, rt: UnitRuntime) -> None:
+        tasks = self.sup.executor.of(rt).tasks
+        for kind in self.PROBE_TASKS:
+            task = tasks.pop(kind, None)
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
 
     def stop(self, rt: UnitRuntime) -> None:
         t = self._watchdogs.pop(rt.name, None)
         if t is not None:
             t.cancel()
-        task = self.sup.executor.of(rt).tasks.pop("liveness", None)
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
+        self._stop_probes(rt)
+        self._ready_again(rt)
 
     def restart(self, rt: UnitRuntime, keep_watchdog_off: bool = False) -> None:
-        """New monitor settings for an active unit (reload): the watchdog counts from now."""
-        self.stop(rt)
-        if keep_watchdog_off:
-            if rt.spec.liveness is not None:
-                self.sup.executor._task(rt, "liveness", self._liveness(rt))
+        """New monitor settings for an active unit (reload): the watchdog counts from now; a
+        unit not ready stays so until the new readiness probe, at once, says otherwise."""
+        t = self._watchdogs.pop(rt.name, None)
+        if t is not None:
+            t.cancel()
+        self._stop_probes(rt)
+        if not keep_watchdog_off and rt.spec.watchdog_sec > 0 and rt.spec.ready.kind is ReadyKind.NOTIFY:
+            rt.watchdog_last = time.monotonic()
+            self._arm_watchdog(rt)
+        self._start_probes(rt, ready_first=0.0)
+
+    # ------------------------------------------------------------ readiness that continues
+    async def _ready_probe(self, rt: UnitRuntime, first: float | None = None) -> None:
+        """Kubernetes' readiness probe: while active, probe `ready` every ready_interval
+        (jittered by up to a tenth, so units started together do not probe together), each
+        probe bounded by READY_PROBE_TIMEOUT_S and awaited before the next is due."""
+        ready, every = rt.spec.ready, rt.spec.ready_interval
+        delay = first
+        while rt.state is S.ACTIVE:
+            await asyncio.sleep(every + random.uniform(0.0, every / 10) if delay is None else delay)
+            delay = None
+            try:
+                if ready.kind is ReadyKind.HTTP:
+                    await probes.http_probe(ready.url, timeout=READY_PROBE_TIMEOUT_S)
+                else:
+                    await probes.tcp_probe(ready.host, ready.port, timeout=READY_PROBE_TIMEOUT_S)
+            except probes.ProbeFailed as exc:
+                self._not_ready(rt, str(exc))
+            except Exception as exc:  # noqa: BLE001 - any probe error says "not ready", never ends the probe
+                self._not_ready(rt, f"{type(exc).__name__}: {exc}")
+            else:
+                self._ready_again(rt)
+
+    def _not_ready(self, rt: UnitRuntime, why: str) -> None:
+        if rt.state is not S.ACTIVE:
             return
-        self.start(rt)
+        text = f"not ready: {why}"
+        if self.not_ready.get(rt.name) == text:
+            return
+        if rt.name not in self.not_ready:
+            self._reason_before[rt.name] = rt.reason
+            log.warning("unit not ready; the stack is degraded", unit=rt.name, reason=why)
+        self.not_ready[rt.name] = text
+        rt.ready = False
+        rt.reason = text
+        self.sup.notify_changed()
+
+    def _ready_again(self, rt: UnitRuntime) -> None:
+        if self.not_ready.pop(rt.name, None) is None:
+            return
+        before = self._reason_before.pop(rt.name, "ready")
+        if rt.state is S.ACTIVE:
+            log.info("unit ready again", unit=rt.name)
+            rt.ready = True
+            rt.reason = before
+        self.sup.notify_changed()
 
     def _arm_watchdog(self, rt: UnitRuntime) -> None:
         old = self._watchdogs.pop(rt.name, None)
@@ -111,19 +193,25 @@ class Monitors:
             self.sup.feed(rt, E.WATCHDOG_EXPIRED, f"watchdog: no ping for {silent:.1f} s")
 
     async def _liveness(self, rt: UnitRuntime) -> None:
+        """One probe at a time: the next is due `interval` seconds after the last one ended."""
         probe = rt.spec.liveness
         assert probe is not None
         failures = 0
         while rt.state is S.ACTIVE:
             await asyncio.sleep(probe.interval)
             try:
-                await probes.http_probe(probe.url, probe.timeout)
+                if probe.exec:
+                    await execprobe.run(self.sup, rt, probe.exec, probe.timeout)
+                else:
+                    await probes.http_check(probe.url, probe.timeout, method=probe.method, body=probe.body,
+                                            headers=probe.headers, accepts=probe.accepts, expect=probe.expect)
                 failures = 0
                 continue
             except probes.ProbeFailed as exc:
                 why = str(exc)
             except Exception as exc:  # noqa: BLE001 - any probe error is a failed probe, never a dead monitor
-                why = f"GET {probe.url}: {type(exc).__name__}: {exc}"
+                what = f"exec {probe.exec[0]}" if probe.exec else f"{probe.method} {probe.url}"
+                why = f"{what}: {type(exc).__name__}: {exc}"
             failures += 1
             log.warning("liveness probe failed", unit=rt.name, error=why, count=failures, of=probe.failures)
             if failures >= probe.failures and rt.state is S.ACTIVE and rt.phase is Phase.IDLE:

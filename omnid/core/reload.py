@@ -189,7 +189,8 @@ class Reloader:
         """New supervision settings for a running unit: from now on, same process."""
         old = rt.spec
         rt.spec = spec
-        if rt.state is S.ACTIVE and (old.liveness != spec.liveness or old.watchdog_sec != spec.watchdog_sec):
+        if rt.state is S.ACTIVE and (old.liveness, old.watchdog_sec, old.progress, old.ready, old.ready_interval) != (
+                spec.liveness, spec.watchdog_sec, spec.progress, spec.ready, spec.ready_interval):
             self.sup.monitors.restart(rt, keep_watchdog_off=bool(note) and "next start" in note)
 
     def _swap(self, new: Stack, p: Plan) -> None:

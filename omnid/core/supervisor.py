@@ -42,6 +42,8 @@ log = structlog.get_logger("omnid.supervisor")
 S, P, E = UnitState, Phase, Event
 # Events after which the reason is the one the stop began with (plus what the end adds).
 _ENDS = frozenset({E.GONE, E.KILL_TIMEOUT, E.RELEASED})
+# Added to the stack stop's derived deadline: the loop's own turns, a spawn answered meanwhile.
+STOP_MARGIN_S = 5.0
 
 
 class UnitNotFound(KeyError):
@@ -147,7 +149,7 @@ class Supervisor:
         return View(rt.name, rt.state, rt.phase, rt.goal, rt.cause, leftovers=leftovers, gpu=self.gpu_on(),
                     capture=self.executor.captures is not None and getattr(rt.spec, "capture_timeout", 0) > 0,
                     drain=self.executor.drains is not None and getattr(rt.spec, "drain", None) is not None,
-                    shutting_down=self.shutting_down)
+                    shutting_down=self.shutting_down, running=rt.proc is not None)
 
     def _step(self, rt: UnitRuntime, event: Event, detail: str) -> None:
         leftovers = False
@@ -160,6 +162,10 @@ class Supervisor:
             log.error("illegal event ignored (a bug)", unit=rt.name, error=str(exc))
             return
         prev_state, prev_phase = rt.state, rt.phase
+        if event is E.INTERNAL_ERROR:  # a bug: the reason names the action and the exception, whatever the position
+            rt.stop_reason = f"{detail}; while stopping: {rt.stop_reason}" \
+                if prev_state is S.STOPPING and rt.stop_reason else detail
+            rt.reason = rt.stop_reason
         if (out.state, out.phase) != (prev_state, prev_phase):
             rt.epoch += 1
             rt.state, rt.phase = out.state, out.phase
@@ -167,15 +173,17 @@ class Supervisor:
                 self.executor.of(rt).stop_from = prev_state
             self.executor.left(rt, prev_state)
         if out.cause is not None:  # a stop begins (or changes why): the reason it ends with
-            if prev_state is not S.STOPPING or out.cause is not rt.cause:
+            if (prev_state is not S.STOPPING or out.cause is not rt.cause) and event is not E.INTERNAL_ERROR:
                 rt.stop_reason = rt.last_exit_what if event is E.EXITED else detail
             rt.cause = out.cause
-        if prev_state is not out.state or event is E.SPAWN_FAILED:  # failed -> failed is a new failure
+        if prev_state is not out.state or event in (E.SPAWN_FAILED, E.INTERNAL_ERROR):  # failed -> failed is new
             rt.since = time.time()
             if out.state is not S.ACTIVE:
                 rt.ready = False
-            rt.reason = rt.stop_reason if prev_state is S.STOPPING else (detail or rt.reason)
-        self.executor.run(rt, out.actions, Ctx(prev_state, detail, event, rt.proc.pid if rt.proc else None))
+            rt.reason = rt.stop_reason if prev_state is S.STOPPING or event is E.INTERNAL_ERROR \
+                else (detail or rt.reason)
+        if out.actions:
+            self.executor.run(rt, out.actions, Ctx(prev_state, detail, event, rt.proc.pid if rt.proc else None))
         if rt.state in (S.INACTIVE, S.FAILED) and rt.phase is P.IDLE and (prev_state, prev_phase) != (
                 rt.state, rt.phase):
             groups.after_end(self, rt)
@@ -223,7 +231,7 @@ class Supervisor:
             self.feed(rt, E.EXITED)
 
     def on_exit_report(self, rep: ExitReport) -> None:
-        if self.exits.already_read(rep.pid):
+        if self.exits.helper_exit(rep) or self.exits.already_read(rep.pid):
             return
         entry = self.by_pid.get(rep.pid)
         if entry is None:
@@ -389,18 +397,52 @@ class Supervisor:
 
     def snapshot(self) -> list[dict]:
         out = []
+        degraded = self.degraded_units()
         for n in self.order:
             snap = self.units[n].snapshot()
             if n in self.gpu_mib:
                 snap["gpu_mib"] = self.gpu_mib[n]
-            if n in self.degraded:
-                snap["degraded"] = self.degraded[n]
+            if n in degraded:
+                snap["degraded"] = degraded[n]
             if self.crosshost is not None and (group := self.crosshost.status(self.units[n])) is not None:
                 snap["group"] = group
             if self.cgroups:
                 snap.update(self.cgroups.snapshot(n))  # type: ignore[attr-defined]
             out.append(snap)
         return out
+
+    def degraded_units(self) -> dict[str, str]:
+        """Unit -> why the stack is degraded because of it: the GPU watch's findings, and
+        units whose readiness probe fails while they are active (core/monitors.py)."""
+        return {**self.degraded, **self.monitors.not_ready} if self.monitors.not_ready else self.degraded
+
+    def kill_all(self) -> list[str]:
+        """SIGKILL to every unit that holds a process, now (dependents first, though nothing
+        waits between them): the stack stop's deadline passed, or a second signal asked for it."""
+        hit = []
+        for name in reversed(self.order):
+            rt = self.units[name]
+            if rt.proc is not None:
+                self.executor.kill_now(rt)
+                hit.append(name)
+        return hit
+
+    def stop_budget(self) -> float:
+        """How long a stop of the whole stack may take when every unit uses all of its budgets:
+        the tiers stop one after another (dependents first), the units of a tier together; a
+        unit's budget is its drain_timeout (with a drain hook), stop_timeout, kill_timeout for
+        SIGKILL and kill_timeout for the sweep of escapees, and kill_timeout more for the GPU's
+        memory where it is checked."""
+        total = 0.0
+        for tier in self.stack.tiers():
+            worst = 0.0
+            for u in tier:
+                spec = self.units[u.name].spec
+                drain = spec.drain_timeout if spec.drain else 0.0
+                gpu = spec.kill_timeout if self.gpu_on() and spec.gpus else 0.0
+                worst = max(worst, drain + spec.stop_timeout + 2 * spec.kill_timeout + gpu)
+            total += worst
+        return total + STOP_MARGIN_S
 
     def draining(self) -> bool:
         """/health says "draining": a unit is draining, or the stack's drain_sec window is open."""

@@ -1,0 +1,115 @@
+"""The `progress` rule (omnid.unit(5)): a unit that says work is waiting must show it being
+done. Every `interval` seconds its Prometheus endpoint is read (bounded in time and size);
+when the `busy` gauges summed are > 0 and `counter` has not grown for `stall_sec`, the
+monitor feeds LIVENESS_FAILED and the lifecycle table captures the unit's stacks, then
+kills it -- a hung engine behind a /health that still answers 200.
+
+`StallRule` is the decision, pure (fed observations with their times, returns a reason
+or None); `watch` is the monitor task that scrapes and feeds it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from omnid import probes, promtext
+from omnid.core.centre import Centre
+from omnid.core.lifecycle import Event, Phase, UnitState
+from omnid.core.runtime import UnitRuntime
+from omnid.unitmodel import Progress
+
+log = structlog.get_logger("omnid.supervisor")
+
+SCRAPE_MAX_BYTES = 8 << 20  # a metrics page bigger than this is a failed scrape
+SCRAPE_TIMEOUT_MAX_S = 5.0
+
+
+@dataclass
+class StallRule:
+    """When is a busy unit stuck? Progress is the counter changing (a drop is a reset of
+    the engine's metrics: progress too) or the unit being idle; a failed scrape proves
+    nothing, so it counts as no progress only while work was last seen waiting."""
+
+    rule: Progress
+    counter: float | None = None  # last value read
+    since: float | None = None  # when progress was last proven (monotonic); None: not yet
+    busy: dict[str, float] = field(default_factory=dict)  # the busy gauges last read
+
+    def busy_now(self) -> bool:
+        return sum(self.busy.values()) > 0
+
+    def observe(self, now: float, counter: float | None, busy: dict[str, float | None]) -> str | None:
+        was_busy = self.busy_now()
+        self.busy = {k: v for k, v in busy.items() if v}  # the gauges > 0 (None, 0: not busy)
+        if counter is None:
+            # The counter is not in the page (a typo, or not exported yet): nothing to judge.
+            self.busy, self.since = {}, now
+            return None
+        if counter != self.counter or not was_busy or not self.busy_now() or self.since is None:
+            # Moved (up, or down: a reset), idle, or busy only from now on: the clock starts
+            # here, so a stall is never counted from before work was seen waiting.
+            self.counter, self.since = counter, now
+            return None
+        return self._judge(now, "")
+
+    def scrape_failed(self, now: float, why: str) -> str | None:
+        if not self.busy_now() or self.since is None:
+            self.since = now  # idle as far as we know: never failed for that
+            return None
+        return self._judge(now, f"; metrics unreadable ({why})")
+
+    def _judge(self, now: float, note: str) -> str | None:
+        assert self.since is not None
+        stuck = now - self.since
+        if stuck < self.rule.stall_sec:
+            return None
+        gauges = ", ".join(f"{k} = {v:g}" for k, v in self.busy.items())
+        return f"progress: {self.rule.counter} stuck at {self.counter:g} for {stuck:.1f} s while {gauges}{note}"
+
+
+async def scrape(rule: Progress) -> tuple[float | None, dict[str, float | None]]:
+    """One read of the metrics page: (counter, busy gauges). ProbeFailed says why not."""
+    timeout = min(rule.interval, SCRAPE_TIMEOUT_MAX_S)
+    answer = await probes.http_request(rule.metrics, timeout, read_body=SCRAPE_MAX_BYTES, body_exact=True)
+    if not 200 <= answer.status < 300:
+        raise probes.ProbeFailed(f"GET {rule.metrics} answered {answer.status}")
+    try:
+        got = promtext.sums(answer.body.decode("utf-8", "replace"), (rule.counter, *rule.busy))
+    except promtext.MalformedExposition as exc:
+        raise probes.ProbeFailed(f"GET {rule.metrics}: not Prometheus text: {exc}") from None
+    return got[rule.counter], {b: got[b] for b in rule.busy}
+
+
+async def watch(sup: Centre, rt: UnitRuntime) -> None:
+    """The progress monitor of an active unit (a task of the executor's, "progress")."""
+    rule = rt.spec.progress
+    assert rule is not None
+    state = StallRule(rule)
+    missing_said = False
+    failing: str | None = None
+    while rt.state is UnitState.ACTIVE:
+        await asyncio.sleep(rule.interval)
+        try:
+            counter, busy = await scrape(rule)
+        except probes.ProbeFailed as exc:
+            why = str(exc)
+            if failing != why:
+                log.warning("progress: metrics scrape failed", unit=rt.name, error=why, busy=state.busy_now())
+                failing = why
+            verdict = state.scrape_failed(time.monotonic(), why)
+        else:
+            if failing is not None:
+                log.info("progress: metrics readable again", unit=rt.name)
+                failing = None
+            if counter is None and not missing_said:
+                log.warning("progress: the counter is not in the metrics page; nothing judged until it is",
+                            unit=rt.name, counter=rule.counter, url=rule.metrics)
+                missing_said = True
+            verdict = state.observe(time.monotonic(), counter, busy)
+        if verdict is not None and rt.state is UnitState.ACTIVE and rt.phase is Phase.IDLE:
+            log.warning("progress stalled", unit=rt.name, reason=verdict)
+            sup.feed(rt, Event.LIVENESS_FAILED, verdict)
+            return

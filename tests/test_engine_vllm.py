@@ -47,7 +47,7 @@ TIMINGS: list[str] = []
 # them) before the behaviour behind each lands in the daemon; until it has, the row that needs
 # it is an expected failure naming it, and is not run (each run costs a vLLM restart, minutes
 # on two cores). Flip the entry to True when the behaviour lands.
-LANDED = {"progress": False, "kill_mode": False, "remove_ipc": False}
+LANDED = {"progress": True, "kill_mode": False, "remove_ipc": False}
 
 
 def needs(feature: str):
@@ -349,8 +349,6 @@ def test_cgroup_daemon_ctrl_c(cg):
     TIMINGS.append(f"cgroup daemon Ctrl+C: all gone in {time.monotonic() - t0:.1f} s")
 
 
-@pytest.mark.xfail(strict=False, reason="omnid bug (cgroup backend): a unit is declared inactive/failed at "
-                   "`populated 0`, while zombies of its process group still wait for the spawner's reap")
 def test_cgroup_invariants(cg):
     """Every state the cgroup stack's daemon published agreed with the kernel (the daemon
     checks itself after each transition, OMNID_CHECK_INVARIANTS=1, as daemon_factory's

@@ -384,7 +384,7 @@ def test_pgroup_daemon_sigkill(pg):
 def _example_on_cpu(py, model, port: int, rpc: int) -> dict[str, str]:
     """units/examples/vllm as shipped, changed only where this machine differs from a GPU
     host: the vllm binary and model paths, ports, one data-parallel rank on CPU instead of two
-    GPUs, no `gpus`, the CPU KV cache size, a nofile limit under this VM's hard limit."""
+    GPUs, no `gpus`, the CPU KV cache size, limits under this VM's hard limits."""
     vllm_bin = os.path.join(os.path.dirname(str(py)), "vllm")
     out = {}
     for name in ("serve", "engine"):
@@ -392,7 +392,9 @@ def _example_on_cpu(py, model, port: int, rpc: int) -> dict[str, str]:
         both = [(' "vllm", "serve", "Qwen/Qwen3-8B",', f' "{vllm_bin}", "serve", "{model}", "--enforce-eager",'),
                 ("8000", str(port)), ("13345", str(rpc)),
                 ('"--data-parallel-size", "2"', '"--data-parallel-size", "1"'),
-                ("nofile = 65536", "nofile = 16384"),
+                # This VM's hard limits (memlock 8 MiB, nofile 20000) cannot be raised: a CPU
+                # engine pins no host buffers for a GPU anyway.
+                ('limits = { memlock = "infinity", nofile = 65536 }', "limits = { nofile = 16384 }"),
                 ('HF_HUB_OFFLINE = "1" }', 'HF_HUB_OFFLINE = "1", VLLM_CPU_KVCACHE_SPACE = "1" }')]
         own = {"serve": [("ready_timeout = 1800", "ready_timeout = 600")],
                "engine": [('"--data-parallel-size-local", "2"', '"--data-parallel-size-local", "1"'),

@@ -7,7 +7,8 @@
  *   setsid, PR_SET_PDEATHSIG (and the check that the spawner still lives), the signals
  *   reset to default and the mask emptied, stdio, every other fd closed, rlimits, the
  *   cgroup join, CPU affinity and memory policy, cwd, gid/groups/uid (armed PDEATHSIG again
- *   after the switch), execve through the candidates in order (execvpe's rules).
+ *   after the switch), execve through the candidates in order (execvpe's rules). With
+ *   listening fds (omnid/sockets.py): those as fds 3, 4, ... and LISTEN_PID = the child's pid.
  *
  * Everything the child needs is prepared by the caller before vfork (C arrays, the cpu set,
  * the groups); the child makes system calls only. What failed, and why, the child writes
@@ -65,6 +66,7 @@ enum stage {
     ST_PDEATHSIG_AGAIN,
     ST_EXEC,
     ST_ORPHANED,
+    ST_LISTEN,
 };
 
 struct plan {
@@ -91,6 +93,10 @@ struct plan {
     gid_t *groups;
     Py_ssize_t ngroups; /* -1: leave the supplementary groups */
     long uid;
+    int *listen; /* fds that become 3, 4, ... (systemd's LISTEN_FDS) */
+    int *moved; /* scratch for the child: each listen fd moved above the ones it becomes */
+    Py_ssize_t nlisten;
+    char *listen_pid; /* "LISTEN_PID=" and room for the digits, the last entry of envp */
 };
 
 struct outcome {
@@ -183,7 +189,31 @@ static void __attribute__((noreturn, noinline)) child_exec(const struct plan *p,
 
     if (dup2(p->devnull, 0) < 0 || dup2(p->out_fd, 1) < 0 || dup2(p->err_fd, 2) < 0)
         fail(o, ST_STDIO, errno, 0);
-    close_from(3);
+    if (p->nlisten > 0) {
+        /* Every listen fd moved above 3..top first (one may sit where another goes), then
+         * each put in its place; dup2 leaves the new fd without close-on-exec. */
+        int top = 3 + (int)p->nlisten;
+        for (Py_ssize_t i = 0; i < p->nlisten; i++)
+            if ((p->moved[i] = fcntl(p->listen[i], F_DUPFD_CLOEXEC, top)) < 0)
+                fail(o, ST_LISTEN, errno, (int)i);
+        for (Py_ssize_t i = 0; i < p->nlisten; i++)
+            if (dup2(p->moved[i], 3 + (int)i) < 0)
+                fail(o, ST_LISTEN, errno, (int)i);
+        /* LISTEN_PID is this child's own pid (not the caller's: vfork shares its memory, and
+         * the buffer is the caller's, written before exec), so a grandchild knows the fds are
+         * not its own. The raw system call: no libc pid cache in a vfork child. */
+        char digits[24];
+        int n = 0;
+        for (long v = (long)syscall(SYS_getpid); v > 0 && n < (int)sizeof digits; v /= 10)
+            digits[n++] = (char)('0' + v % 10);
+        char *at = p->listen_pid + sizeof "LISTEN_PID=" - 1;
+        while (n > 0)
+            *at++ = digits[--n];
+        *at = 0;
+        close_from(top);
+    } else {
+        close_from(3);
+    }
 
     for (Py_ssize_t i = 0; i < p->nrl; i++)
         if (setrlimit(p->rl_res[i], &p->rl[i]) < 0)
@@ -331,24 +361,27 @@ static int ints(struct arena *a, PyObject *seq, const char *what, long **out, Py
 
 PyDoc_STRVAR(spawn_doc,
 "spawn(candidates, argv, envp, out_fd, err_fd, devnull, spawner_pid, reset_signals, rlimits,\n"
-"      cgroup_procs, cpus, mp_mode, mp_mask, mp_maxnode, mp_many_fallback, cwd, gid, groups, uid)\n"
+"      cgroup_procs, cpus, mp_mode, mp_mask, mp_maxnode, mp_many_fallback, cwd, gid, groups, uid\n"
+"      [, listen])\n"
 "    -> (pid, stage, errno, index)\n\n"
 "vfork a child that sets itself up and execs the first candidate that runs. When this\n"
 "returns, the child has exec'd (stage 0) or failed at `stage` with `errno` (it exits 127;\n"
 "`index`: which rlimit, signal or candidate). bytes for paths and strings; rlimits a\n"
 "sequence of (resource, soft, hard); cpus a sequence of CPU numbers or None; mp_mask the\n"
 "nodemask as bytes; cgroup_procs and cwd bytes or None; gid and uid -1 to leave them;\n"
-"groups a sequence of gids, or None to leave the supplementary groups.");
+"groups a sequence of gids, or None to leave the supplementary groups; listen a sequence of\n"
+"fds the child gets as 3, 4, ... with LISTEN_PID=<its pid> added to envp.");
 
 static PyObject *spawn(PyObject *self, PyObject *args)
 {
     PyObject *candidates, *argv, *envp, *reset, *rlimits, *cgroup_procs, *cpus, *mp_mask, *cwd, *groups;
+    PyObject *listen = Py_None;
     int out_fd, err_fd, devnull, spawner_pid, mp_many_fallback;
     long mp_mode, gid, uid;
     unsigned long mp_maxnode;
-    if (!PyArg_ParseTuple(args, "OOOiiiiOOOOlOkpOlOl:spawn", &candidates, &argv, &envp, &out_fd, &err_fd,
+    if (!PyArg_ParseTuple(args, "OOOiiiiOOOOlOkpOlOl|O:spawn", &candidates, &argv, &envp, &out_fd, &err_fd,
                           &devnull, &spawner_pid, &reset, &rlimits, &cgroup_procs, &cpus, &mp_mode,
-                          &mp_mask, &mp_maxnode, &mp_many_fallback, &cwd, &gid, &groups, &uid))
+                          &mp_mask, &mp_maxnode, &mp_many_fallback, &cwd, &gid, &groups, &uid, &listen))
         return NULL;
 
     struct arena a = {0};
@@ -364,8 +397,39 @@ static PyObject *spawn(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "no program to exec");
         goto done;
     }
-    if (!(p.argv = cstrings(&a, argv, "argv", NULL)) || !(p.envp = cstrings(&a, envp, "envp", NULL)))
+    Py_ssize_t nenv = 0;
+    if (!(p.argv = cstrings(&a, argv, "argv", NULL)) || !(p.envp = cstrings(&a, envp, "envp", &nenv)))
         goto done;
+    if (listen != Py_None) {
+        if (ints(&a, listen, "listen", &values, &n) < 0)
+            goto done;
+        if (n > 0) {
+            if (n > 1000) {
+                PyErr_SetString(PyExc_ValueError, "listen: more than 1000 fds");
+                goto done;
+            }
+            p.nlisten = n;
+            if (!(p.listen = arena_alloc(&a, (size_t)n * sizeof(int))) ||
+                !(p.moved = arena_alloc(&a, (size_t)n * sizeof(int))) ||
+                !(p.listen_pid = arena_alloc(&a, sizeof "LISTEN_PID=" + 24)))
+                goto done;
+            for (Py_ssize_t i = 0; i < n; i++) {
+                if (values[i] < 0 || values[i] > 0x7fffffffL) {
+                    PyErr_Format(PyExc_ValueError, "listen: %ld is not an fd", values[i]);
+                    goto done;
+                }
+                p.listen[i] = (int)values[i];
+            }
+            memcpy(p.listen_pid, "LISTEN_PID=", sizeof "LISTEN_PID=");
+            char **env2 = arena_alloc(&a, (size_t)(nenv + 2) * sizeof(char *));
+            if (!env2)
+                goto done;
+            memcpy(env2, p.envp, (size_t)nenv * sizeof(char *));
+            env2[nenv] = p.listen_pid; /* the child writes its pid into it */
+            env2[nenv + 1] = NULL;
+            p.envp = env2;
+        }
+    }
     if (p.argv[0] == NULL) {
         PyErr_SetString(PyExc_ValueError, "argv is empty");
         goto done;
@@ -518,7 +582,7 @@ PyMODINIT_FUNC PyInit__spawnc(void)
     if (PyModule_AddIntConstant(m, #name, name) < 0) { Py_DECREF(m); return NULL; }
     STAGE(ST_OK) STAGE(ST_SETSID) STAGE(ST_PDEATHSIG) STAGE(ST_SIGNALS) STAGE(ST_STDIO)
     STAGE(ST_RLIMIT) STAGE(ST_CGROUP) STAGE(ST_AFFINITY) STAGE(ST_MEMPOLICY) STAGE(ST_CHDIR)
-    STAGE(ST_GROUP) STAGE(ST_USER) STAGE(ST_PDEATHSIG_AGAIN) STAGE(ST_EXEC) STAGE(ST_ORPHANED)
+    STAGE(ST_GROUP) STAGE(ST_USER) STAGE(ST_PDEATHSIG_AGAIN) STAGE(ST_EXEC) STAGE(ST_ORPHANED) STAGE(ST_LISTEN)
 #undef STAGE
     return m;
 }

@@ -2,9 +2,11 @@
 the parser. Talking to the daemon lives in omnid.client, what is printed in
 omnid.render, where settings come from in omnid.settings.
 
-Exit codes: 0 ok, 1 the operation failed (reason printed), 2 usage or
-configuration error, 3 no daemon running (except `omnid stop`, which, like
-`systemctl stop` of a stopped unit, exits 0 when there is nothing to stop).
+Exit codes: 0 ok, and nothing to show (a note on stderr); 1 the operation failed
+(reason printed), 2 usage or configuration error, 3 no daemon running (except
+`omnid stop`, which, like `systemctl stop` of a stopped unit, exits 0 when there is
+nothing to stop), 141 the reader of the output went away (omnid(8), EXIT STATUS).
+Output is text wherever it goes; JSON only with --json.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import time
 from pathlib import Path
 
 from omnid.client import EXIT_FAILED, EXIT_NO_DAEMON, EXIT_OK, EXIT_USAGE, CliError, Client, subscribe
-from omnid.render import (format_event, format_log_line, log_line_json, print_captures, print_gpu,
-                          print_reload_plan, print_summary, print_unit_detail, print_units)
+from omnid.render import (format_event, format_log_line, human_seconds, log_line_json, print_captures, print_gpu,
+                          print_reload_plan, print_restart_plan, print_status, print_summary, print_unit_detail,
+                          print_units)
 
 DAEMON_LOG_MAX = 8 << 20  # bytes; daemon.log is rotated to daemon.log.1 beyond this
 
@@ -65,7 +68,9 @@ def cmd_check(a: argparse.Namespace) -> int:
     from omnid.settings import default_units_dir
     from omnid.units import check_stack, load_stack
 
-    directory = os.path.abspath(a.units or default_units_dir())
+    if a.directory and a.units and os.path.abspath(a.directory) != os.path.abspath(a.units):
+        raise CliError(f"two stack directories given ({a.directory} and -u {a.units}); give one", EXIT_USAGE)
+    directory = os.path.abspath(a.directory or a.units or default_units_dir())
     errors = check_stack(directory)
     if errors:
         print(f"{directory}: {len(errors)} error(s)", file=sys.stderr)
@@ -165,13 +170,26 @@ def _launch_daemon(a: argparse.Namespace, cfg, t0: float) -> tuple[subprocess.Po
     raise CliError(f"the daemon did not open {cfg.control} within 30 s (full log: {logfile})")
 
 
-def _progress(t0: float, unit: str, state: str, reason: str | None, shown: dict[str, tuple]) -> None:
-    """One progress line per change; the snapshot and an event that says the same are one line."""
-    if shown.get(unit) == (state, reason):
-        return
-    shown[unit] = (state, reason)
-    print(f"  [{time.monotonic() - t0:6.2f}s] {unit}: {state}"
-          + (f" ({reason})" if reason and state != "active" and reason != state else ""), flush=True)
+class _Progress:
+    """`omnid start`'s progress: one line per change of a unit; the snapshot and an event
+    that says the same are one line."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self.shown: dict[str, tuple] = {}
+        self.printed = 0
+
+    def seen(self, unit: str, state: str, reason: str | None) -> None:
+        """Known already, not worth a line (attached to a daemon where it was up)."""
+        self.shown[unit] = (state, reason)
+
+    def __call__(self, unit: str, state: str, reason: str | None) -> None:
+        if self.shown.get(unit) == (state, reason):
+            return
+        self.shown[unit] = (state, reason)
+        self.printed += 1
+        print(f"  [{time.monotonic() - self.t0:6.2f}s] {unit}: {state}"
+              + (f" ({reason})" if reason and state != "active" and reason != state else ""), flush=True)
 
 
 def cmd_start(a: argparse.Namespace) -> int:
@@ -195,12 +213,19 @@ def cmd_start(a: argparse.Namespace) -> int:
                            + "\n".join(f"  {e}" for e in exc.errors), EXIT_USAGE) from None
         control = cfg.control
         if os.path.exists(control) and socket_is_live(control):
-            running = Client(control).call("status", {}, timeout=10)["daemon"]["units_dir"]
-            # Without -u, `omnid start` means "the running stack, whatever it is".
-            if a.units and os.path.realpath(running) != os.path.realpath(cfg.units_dir):
+            st = Client(control).call("status", {}, timeout=10)["daemon"]
+            running = st["units_dir"]
+            # With or without -u: the stack this command would start is cfg.units_dir (the
+            # demo stack by default); attaching to a daemon that serves another one would act
+            # on a stack the operator did not name.
+            if os.path.realpath(running) != os.path.realpath(cfg.units_dir):
                 raise CliError(f"the daemon at {control} runs the stack in {running}, not {cfg.units_dir}; "
-                               f"stop it first (omnid stop) or give the new stack its own --control",
-                               EXIT_USAGE)
+                               f"stop it first (omnid stop), give the new stack its own --control, or act on "
+                               f"the running one by unit name (omnid start UNIT)", EXIT_USAGE)
+            # Like `systemctl start` of a running service: say so, and what is running.
+            up = human_seconds(max(0.0, time.time() - st["since"])) if st.get("since") else "?"
+            print(f"omnid: the daemon was already running (pid {st.get('pid')}, up {up}), "
+                  f"units {running}", flush=True)
         else:
             launched, logfile, offset = _launch_daemon(a, cfg, t0)
     client = Client(control)
@@ -213,9 +238,15 @@ def cmd_start(a: argparse.Namespace) -> int:
             raise CliError(f"the daemon exited with code {launched.returncode}: "
                            f"{_daemon_cause(logfile, offset)} (full log: {logfile})") from None
         raise
-    shown: dict[str, tuple] = {}
+    progress = _Progress(t0)
+    before = {u["name"]: u for u in snap}
     for u in snap:
-        _progress(t0, u["name"], u["state"], u.get("reason"), shown)
+        if launched is None and u["state"] == "active":
+            # Attached to a running daemon: what is up already is no progress of this command
+            # (the final table shows it); only what is not up, and every change from now on.
+            progress.seen(u["name"], u["state"], u.get("reason"))
+            continue
+        progress(u["name"], u["state"], u.get("reason"))
     timeout = a.timeout
     args: dict = {"timeout": timeout}
     if a.unit_names:
@@ -239,7 +270,7 @@ def cmd_start(a: argparse.Namespace) -> int:
                     ev = json.loads(sub.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
-                _progress(t0, ev["unit"], ev["to"], ev.get("reason"), shown)
+                progress(ev["unit"], ev["to"], ev.get("reason"))
         if client.sock in ready:
             reply = json.loads(client.sock.recv())
             break
@@ -258,15 +289,29 @@ def cmd_start(a: argparse.Namespace) -> int:
     units = result["units"]
     # The reply's states are final: a change whose event was lost still gets its line.
     for u in units:
-        _progress(t0, u["name"], u["state"], u.get("reason"), shown)
-    print()
+        progress(u["name"], u["state"], u.get("reason"))
+    if progress.printed:
+        print()
     print_units(units)
     if not result["ok"]:
         bad = [u for u in units if u["state"] != "active"]
+        because: dict = {}
+        if any(not u["reason"] for u in bad):  # never started: the failed unit it requires says why
+            try:
+                because = client.call("status", {}, timeout=5)["daemon"].get("down_because") or {}
+            except CliError:
+                pass
         for u in bad:
-            print(f"omnid: {u['name']} is {u['state']}: {u['reason'] or 'no reason recorded'}", file=sys.stderr)
+            why = u["reason"] or (f"not started: requires {because[u['name']]}, which failed"
+                                  if u["name"] in because else "no reason recorded")
+            print(f"omnid: {u['name']} is {u['state']}: {why}", file=sys.stderr)
         return EXIT_FAILED
-    print(f"\nomnid: ready in {time.monotonic() - t0:.1f} s")
+    untouched = [u["name"] for u in units if launched is None and before.get(u["name"], {}).get("state") == "active"
+                 and before[u["name"]].get("pid") == u.get("pid")]
+    if untouched and len(untouched) == len(units):
+        print(f"\nomnid: already active, nothing started: {', '.join(untouched)}")
+    else:
+        print(f"\nomnid: ready in {time.monotonic() - t0:.1f} s")
     if not a.unit_names:
         _print_hints(client)
     return EXIT_OK
@@ -312,8 +357,18 @@ def cmd_stop(a: argparse.Namespace) -> int:
 
 
 def cmd_restart(a: argparse.Namespace) -> int:
+    """Say what else restarts and why (worker group, units that require it), then do it."""
     client = Client(control_of(a))
+    first = client.call("restart", {"units": a.unit_names, "dry_run": True, "timeout": a.timeout},
+                        timeout=2 * a.timeout + 10)
+    if "plan" not in first:  # a daemon older than the plan restarted already: its answer is the result
+        print_units(first["units"])
+        return EXIT_OK if first["ok"] else EXIT_FAILED
+    print_restart_plan(first["plan"])
+    if a.dry_run:
+        return EXIT_OK
     result = client.call("restart", {"units": a.unit_names, "timeout": a.timeout}, timeout=2 * a.timeout + 10)
+    print()
     print_units(result["units"])
     return EXIT_OK if result["ok"] else EXIT_FAILED
 
@@ -383,7 +438,7 @@ def cmd_status(a: argparse.Namespace) -> int:
             lines = client.call("logs", {"unit": u["name"], "n": a.lines}, timeout=10).get(u["name"], [])
             print_unit_detail(u, lines)
     else:
-        print_units(result["units"])
+        print_status(result["units"], result.get("daemon", {}), full=a.full)
     if not a.json:
         print_gpu(result.get("daemon", {}).get("gpu"))
     if a.verify:
@@ -474,7 +529,9 @@ def parse_since(text: str, now: float | None = None) -> float:
 
 def cmd_logs(a: argparse.Namespace) -> int:
     client = Client(control_of(a))
-    as_json = a.json if a.json is not None else not sys.stdout.isatty()
+    # Text wherever it goes (a pipe to grep sees what a person saw), JSON only when asked:
+    # as journalctl, kubectl logs and docker logs do.
+    as_json = a.json
     n = 2000 if a.since is not None else a.n
     result = client.call("logs", {"unit": a.unit, "n": n}, timeout=10)
     multi = len(result) > 1
@@ -483,12 +540,18 @@ def cmd_logs(a: argparse.Namespace) -> int:
         print(log_line_json(item, name) if as_json else format_log_line(item, name if multi else None), flush=True)
 
     last: dict[str, float] = {}
+    shown = 0
     for name, lines in result.items():
         if a.since is not None:
             lines = [i for i in lines if i["ts"] >= a.since][-a.n:] if a.n else []
         for item in lines:
             show(name, item)
+        shown += len(lines)
         last[name] = result[name][-1]["ts"] if result[name] else 0.0
+    if not shown and a.n:
+        # Nothing to show is no failure (omnid(8), EXIT STATUS): exit 0, a note on stderr only.
+        since = " since then" if a.since is not None else ""
+        print(f"omnid: no output of {a.unit} kept{since}", file=sys.stderr)
     if not a.follow:
         return EXIT_OK
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -504,6 +567,21 @@ def cmd_logs(a: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return EXIT_OK
 
+def cmd_completion(a: argparse.Namespace) -> int:
+    from omnid import completion
+
+    parser = build_parser()
+    print(completion.bash_script(parser) if a.shell == "bash" else completion.zsh_script(parser), end="")
+    return EXIT_OK
+
+
+def cmd_complete(a: argparse.Namespace) -> int:
+    """Hidden: what the completion script asks while a shell waits (unit names, quietly)."""
+    from omnid import completion
+
+    return completion.print_units(control_of(a))
+
+
 # --------------------------------------------------------------------------- parser
 def _version() -> str:
     from omnid.version import version
@@ -518,7 +596,7 @@ class _Parser(argparse.ArgumentParser):
         if action.choices is not None and value not in action.choices and isinstance(value, str):
             import difflib
 
-            choices = [str(c) for c in action.choices]
+            choices = [str(c) for c in action.choices if not str(c).startswith("__")]  # hidden ones
             close = difflib.get_close_matches(value, choices, n=1, cutoff=0.6)
             what = "command" if isinstance(action, argparse._SubParsersAction) else "choice"
             hint = f"; did you mean {close[0]}?" if close else ""
@@ -570,8 +648,10 @@ class _VersionAction(argparse.Action):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="omnid", description="process supervisor for GPU inference stacks",
-                                epilog="exit codes: 0 ok, 1 the operation failed, 2 usage or configuration "
-                                       "error, 3 no daemon running (omnid stop: 0). See omnid(8).")
+                epilog="exit codes: 0 ok; nothing to show: 0 (a note on stderr, nothing on stdout); 1 the "
+                       "operation failed; 2 usage or configuration error; 3 no daemon running (omnid stop: 0); "
+                       "141 the reader of the output went away (| head), quietly. Output is text wherever it "
+                       "goes, JSON only with --json. See omnid(8).")
     p.add_argument("--version", action=_VersionAction)
     p.add_argument("--control", default=None, metavar="PATH",
                    help="control socket path (default: $OMNID_CONTROL, then omnid.toml's control for start, "
@@ -619,8 +699,15 @@ def build_parser() -> argparse.ArgumentParser:
     timeout_arg(st, 600, "the stop")
     st.set_defaults(func=cmd_stop)
 
-    r = sub.add_parser("restart", help="restart units")
+    r = sub.add_parser("restart", help="restart units (and their worker group, and the units that require them)",
+                       description="Stop the units and start them again. A member of a worker group restarts its "
+                                   "whole group (its ranks are one job); units that require a restarted unit, "
+                                   "directly or through others, and are up are stopped before it and started "
+                                   "after it. Every unit this pulls in is listed, with why, before anything is "
+                                   "done. RESTARTS in omnid status counts automatic restarts only; this one is "
+                                   "not counted.")
     r.add_argument("unit_names", nargs="+", metavar="UNIT", help="units to restart")
+    r.add_argument("--dry-run", action="store_true", help="list what would restart, and why; change nothing")
     timeout_arg(r, 600, "the units to be back")
     r.set_defaults(func=cmd_restart)
 
@@ -638,6 +725,8 @@ def build_parser() -> argparse.ArgumentParser:
     stat.add_argument("unit_names", nargs="*", metavar="UNIT", help="units to show in detail")
     stat.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
     stat.add_argument("--verify", action="store_true", help="check every unit's state against /proc")
+    stat.add_argument("-l", "--full", action="store_true",
+                      help="on a terminal, do not cut table rows at its width (into a pipe they never are)")
     stat.add_argument("-n", "--lines", type=_non_negative_int, default=10, metavar="N",
                       help="log lines in the detail view (default 10)")
     stat.set_defaults(func=cmd_status)
@@ -668,17 +757,33 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--since", type=parse_since, metavar="TIME",
                     help="only lines since TIME: 10m, 2h, 1d, epoch seconds or 2026-01-02T15:04:05")
     fmt = lg.add_mutually_exclusive_group()
-    fmt.add_argument("--json", dest="json", action="store_true", default=None,
-                     help="JSON lines (the default when stdout is not a terminal)")
-    fmt.add_argument("--text", dest="json", action="store_false", help="text lines even into a pipe")
+    fmt.add_argument("--json", dest="json", action="store_true", default=False,
+                     help="one JSON object a line (ts, unit, stream, line); without it, text wherever "
+                          "it goes, a pipe too")
+    # Text is the default now; --text stays accepted for scripts written when a pipe got JSON.
+    fmt.add_argument("--text", dest="json", action="store_false", help=argparse.SUPPRESS)
     lg.set_defaults(func=cmd_logs)
 
     c = sub.add_parser("check", help="validate a stack directory and what its units need on this host")
-    c.add_argument("-u", "--units", metavar="DIR", help="stack directory (default: the demo stack)")
+    c.add_argument("directory", nargs="?", metavar="DIR", help="stack directory (default: the demo stack)")
+    c.add_argument("-u", "--units", metavar="DIR", help="the same, as start and daemon take it")
     c.add_argument("--this-host", action="store_true",
                    help="the stack runs on this host: a missing executable, user, group or cwd is an error "
                         "(exit 2), not a warning")
     c.set_defaults(func=cmd_check)
+
+    cp = sub.add_parser("completion", help="print a shell completion script (commands, options, unit names "
+                                           "of the running stack)",
+                        description="Print a completion script for bash or zsh: source <(omnid completion bash), "
+                                    "or save it as /usr/share/bash-completion/completions/omnid (bash) or as "
+                                    "_omnid in a directory of $fpath (zsh). Unit names are asked of the running "
+                                    "daemon when completing, quietly.")
+    cp.add_argument("shell", choices=["bash", "zsh"], help="the shell")
+    cp.set_defaults(func=cmd_completion)
+
+    hidden = sub.add_parser("__complete")  # no help=: not listed, not offered for completion
+    hidden.add_argument("what", choices=["units"], help="units: the running stack's unit names, one a line")
+    hidden.set_defaults(func=cmd_complete)
 
     m = sub.add_parser("man", help="show a manual page: omnid(8), omnid.unit(5) or omnid-control(7)")
     m.add_argument("page", nargs="?", default="omnid", choices=list(MAN_PAGES),
@@ -725,7 +830,33 @@ def _host_port(text: str) -> str:
     return text
 
 
+EXIT_READER_GONE = 128 + signal.SIGPIPE  # what a shell reports for a tool that SIGPIPE ended
+
+
+def _reader_gone() -> int:
+    """The reader of our output went away (`omnid status | head -1`): stop quietly, as a
+    Unix tool killed by SIGPIPE does. stdout is pointed at /dev/null so that the flush at
+    interpreter exit does not fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return EXIT_READER_GONE
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # what is still buffered meets a closed pipe here, not at exit
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
     if a.control:
@@ -737,7 +868,6 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code
     except KeyboardInterrupt:
         return 130
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -357,6 +357,7 @@ class Daemon:
             self._gpu_task.close()
         await self._close_front()
         self.notify.close()
+        self.sup.sockets.close_all()  # every unit is stopped: their sockets (and socket files) go
         await self.spawner.shutdown()
         self.state.remove()
         self.service.status(f"stopped (exit {self.exit_code})")

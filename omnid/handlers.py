@@ -89,6 +89,12 @@ class ControlHandlers:
                                                "events": {"subscriptions": d.control.subscriptions
                                                           if d.control else 0},
                                                **d.identity(),
+                                               # `omnid status`'s first lines: the verdict /health
+                                               # gives, and the start order to group units by
+                                               "health": self.health_verdict(),
+                                               "health_listen": d.cfg.health_listen,
+                                               "tiers": [[u.name for u in t] for t in sup.stack.tiers()],
+                                               "down_because": self.down_because(),
                                                **({"handover_error": d.handover_error} if d.handover_error
                                                   else {})}}
         if args.get("verify"):
@@ -99,6 +105,41 @@ class ControlHandlers:
                 problems = sup.verify()
             out["verify"] = {"ok": not problems, "problems": problems,
                              "invariant_violations": list(sup.invariant_violations)}
+        return out
+
+    def health_verdict(self) -> str:
+        """What GET /health says now (ok, starting, degraded, failed, draining, stopping)."""
+        from omnid import health
+
+        sup = self.sup
+        return health.overall(sup, sup.degraded, health.gpu_view(sup))
+
+    def down_because(self) -> dict[str, str]:
+        """{unit: the failed unit it requires (directly or through others)} for each unit that
+        wants to run and is not up because a requirement failed: `omnid status`'s root cause."""
+        from omnid.core.lifecycle import Goal, UnitState
+
+        sup = self.sup
+
+        def failed_under(name: str, seen: set[str]) -> str | None:
+            for r in sup.units[name].spec.requires:
+                for req in sup.stack.resolve(r):
+                    if req.name in seen:
+                        continue
+                    seen.add(req.name)
+                    if sup.units[req.name].state is UnitState.FAILED:
+                        return req.name
+                    found = failed_under(req.name, seen)
+                    if found:
+                        return found
+            return None
+
+        out = {}
+        for rt in sup.units.values():
+            if rt.goal is Goal.ACTIVE and rt.state in (UnitState.INACTIVE, UnitState.STOPPING):
+                cause = failed_under(rt.name, {rt.name})
+                if cause:
+                    out[rt.name] = cause
         return out
 
     async def handle_start(self, args: dict) -> dict:
@@ -122,8 +163,28 @@ class ControlHandlers:
         if names is None:
             raise ControlError("bad_request", "restart needs \"units\"")
         self.known(names)
+        if args.get("dry_run"):
+            return {"dry_run": True, "plan": self.restart_plan(names)}
         units = await self.sup.requests.restart_units(names, timeout_arg(args))
         return {"ok": all(u["state"] == "active" for u in units), "units": units}
+
+    def restart_plan(self, names: list[str]) -> list[dict]:
+        """What a restart of `names` stops and starts again, each unit with why, in start
+        order: the named units, the rest of their worker groups, then the units that require
+        one of them (directly or through others) and are up now (`omnid restart` prints it
+        before it acts, as systemctl lists the jobs a transaction pulls in)."""
+        sup = self.sup
+        named = sup.expand(names, whole_groups=False)
+        targets = sup.expand(names)
+        out = [{"unit": n, "why": "named"} for n in named]
+        out += [{"unit": n, "why": f"worker group {sup.units[n].spec.worker_group}: its ranks restart together"}
+                for n in targets if n not in named]
+        going = set(targets)
+        for n in sorted(sup.requests.dependents_up(targets), key=sup.order.index):
+            reqs = [r for r in sup.units[n].spec.requires if any(u.name in going for u in sup.stack.resolve(r))]
+            out.append({"unit": n, "why": f"requires {', '.join(reqs)}: stopped before it, started after it"})
+            going.add(n)
+        return out
 
     async def handle_kill(self, args: dict) -> dict:
         unit = unit_arg(args, "kill")

@@ -238,6 +238,7 @@ def record(daemon: Any, check: ProgramCheck) -> tuple[dict[str, Any], list[int]]
     if sup.crosshost is not None:  # [cluster]: the same lease, groups and heartbeat socket
         rec["cluster"] = sup.crosshost.handover()
         fds.append(rec["cluster"]["session"]["peers"]["fd"])
+    fds.extend(sup.sockets.fds())  # units' listening sockets: never closed, so never refused
     for rt in sup.units.values():
         if rt.proc is not None:
             fds.append(rt.proc.pidfd)
@@ -405,6 +406,9 @@ def validate(rec: dict[str, Any], stack: Any) -> None:
     if not fd_alive(int(rec["lock_fd"])):
         raise ValueError(f"lock_fd {rec['lock_fd']} is not open")
     sup = rec["supervisor"]
+    for name, held in (sup.get("sockets") or {}).items():  # units' listening sockets (omnid.sockets)
+        if not all(fd_alive(int(h["fd"])) and str(h["listen"]) for h in held):
+            raise ValueError(f"unit {name}: a listening socket's fd is not open")
     books = {str(k): RestartBook.from_json(b) for k, b in sup["books"].items()}
     float(sup["started_at"])
     for name, u in sup["units"].items():

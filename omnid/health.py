@@ -35,6 +35,9 @@ def gpu_view(sup: Supervisor) -> dict[str, dict]:
     return health_view(backend, [(u.name, u.spec.gpus) for u in sup.units.values()])
 
 
+HEALTH_VERDICTS = ("ok", "starting", "degraded", "failed", "draining", "stopping")  # what overall() answers
+
+
 def overall(sup: Supervisor, degraded: dict[str, str], gpus: dict[str, dict] | None = None) -> str:
     """`gpus`: gpu_view(sup); a GPU that has fallen off the bus is "failed", another
     condition of a unit's GPU "degraded"."""
@@ -304,6 +307,27 @@ class HealthServer:
         metric("omnid_unit_last_exit_signal", "gauge", "signal number of the last exit (0: none)")
         for u in units:
             lines.append(f"omnid_unit_last_exit_signal{lbl(unit=u.name)} {u.last_signal or 0}")
+        # The stack's verdict, what GET /health says: one series per verdict, 1 for the current one.
+        metric("omnid_stack_health", "gauge", "1 for the verdict GET /health gives now")
+        verdict = overall(self.sup, self.degraded(), gpu_view(self.sup))
+        for v in HEALTH_VERDICTS:
+            lines.append(f"omnid_stack_health{lbl(status=v)} {int(v == verdict)}")
+        metric("omnid_unit_gpu_release_seconds", "gauge",
+               "after the unit's last stop or failure: until none of its pids held GPU memory")
+        for u in units:
+            if u.gpu_release_ms is not None:
+                lines.append(f"omnid_unit_gpu_release_seconds{lbl(unit=u.name)} {u.gpu_release_ms / 1000:.6f}")
+        metric("omnid_unit_gpu_held", "gauge", "1 when the unit's pids still held GPU memory as the release wait ended")
+        for u in units:
+            lines.append(f"omnid_unit_gpu_held{lbl(unit=u.name)} {int(bool(u.gpu_held))}")
+        metric("omnid_unit_residue_processes", "gauge", "leftovers (orphans) killed after the unit's last stop")
+        for u in units:
+            rec = u.last_stop
+            lines.append(f"omnid_unit_residue_processes{lbl(unit=u.name)} {len(rec.residue) if rec else 0}")
+        metric("omnid_unit_unkillable_processes", "gauge", "processes that survived SIGKILL at the unit's last stop")
+        for u in units:
+            rec = u.last_stop
+            lines.append(f"omnid_unit_unkillable_processes{lbl(unit=u.name)} {len(rec.unkillable) if rec else 0}")
         dm = getattr(self, "daemon_metrics", None)
         if dm is not None:
             metric("omnid_death_detection_seconds", "histogram", "pidfd wake-up to failed state, per death")

@@ -20,7 +20,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-from omnid import numa
+from omnid import numa, sockets
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,9 @@ def check(stack, this_host: bool = False) -> list[HostProblem]:
             add("group", f"no group {u.group!r} on this host")
         if u.cwd is not None and not os.path.isdir(u.cwd):
             add("cwd", f"directory {u.cwd} does not exist on this host")
+        for i, why in sockets.probe(u):
+            add(f"sockets[{i}]", why + " (a daemon running this stack holds its own sockets: check it stopped, "
+                "or read `omnid status`)")
         for key, note, fails in numa.unit_notes(u, this_host):
             if (f, "numa:" + key) not in seen:
                 seen.add((f, "numa:" + key))

@@ -4,6 +4,7 @@ lines; colours only on a terminal. Used by omnid.cli."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from datetime import datetime
@@ -44,6 +45,50 @@ def unit_usage(pid: int | None) -> tuple[int, float, int] | None:
     return (use.rss, use.cpu_s, use.threads) if use else None
 
 
+def usage_of_trees(pids: list[int]) -> dict[int, tuple[int, float, int]]:
+    """unit_usage for many units from one read of /proc (every /proc/PID/stat once): psutil's
+    children(recursive=True) reads all of /proc per unit, seconds for a 20-unit stack on a
+    busy host. {main pid: (RSS bytes, CPU seconds, tasks)} for the pids that are running."""
+    page, hz = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, int, float, int]] = {}  # pid -> (ppid, rss, cpu s, threads)
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return {}
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        fields = raw[raw.rfind(b")") + 2:].split()  # after "pid (comm) "; comm may hold spaces
+        try:
+            stats[int(name)] = (int(fields[1]), int(fields[21]) * page,
+                                (int(fields[11]) + int(fields[12])) / hz, int(fields[17]))
+        except (IndexError, ValueError):
+            continue
+    children: dict[int, list[int]] = {}
+    for pid, st in stats.items():
+        children.setdefault(st[0], []).append(pid)
+    out = {}
+    for main in pids:
+        if main not in stats:
+            continue
+        rss, cpu, threads, todo, seen = 0, 0.0, 0, [main], set()
+        while todo:
+            pid = todo.pop()
+            if pid in seen:
+                continue
+            seen.add(pid)
+            _, r, c, t = stats[pid]
+            rss, cpu, threads = rss + r, cpu + c, threads + t
+            todo.extend(children.get(pid, ()))
+        out[main] = (rss, cpu, threads)
+    return out
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "K", "M", "G", "T"):
         if n < 1024 or unit == "T":
@@ -68,30 +113,154 @@ def uptime(u: dict) -> str:
     return human_seconds(max(0.0, time.time() - u["since"]))
 
 
-def print_units(units: list[dict], *, usage: bool = True, colour: bool | None = None) -> None:
-    """The systemctl-like table: state, pid, uptime, memory, CPU, tasks, GPU memory,
-    restarts, last exit, reason."""
+# The table's columns and the width each keeps whatever it shows (a refresh under `watch`
+# moves nothing): at least as wide as the heading and the usual values; a longer value
+# only pushes the rest of its own row. UNIT is as wide as the longest name of the stack,
+# REASON is last and free.
+_COLUMNS = (("STATE", 8), ("READY", 5), ("PID", 7), ("UPTIME", 10), ("MEM", 7), ("CPU", 8), ("TASKS", 5),
+            ("GPU", 8), ("RESTARTS", 8), ("LAST EXIT", 18))
+_PID_NOTE = re.compile(r" \(pid \d+, (while \w+|stopped)\)$")
+
+
+def _row(u: dict, use: tuple[int, float, int] | None) -> list[str]:
+    gpu = f"{u['gpu_mib']:.0f}MiB" if u.get("gpu_mib") is not None else "-"
+    ready = "-" if u["state"] != "active" else ("yes" if u.get("ready") else "no")
+    last_exit = _PID_NOTE.sub("", u.get("last_exit") or "") or "-"  # the pid is in `status UNIT`
+    return [u["state"], ready, str(u["pid"] or "-"), uptime(u), human_bytes(use[0]) if use else "-",
+            f"{use[1]:.1f}s" if use else "-", str(use[2]) if use else "-", gpu, str(u["restarts"]), last_exit,
+            u.get("reason") or ""]
+
+
+def print_units(units: list[dict], *, usage: bool = True, colour: bool | None = None,
+                tiers: list[list[str]] | None = None, because: dict[str, str] | None = None,
+                width_limit: int | None = None) -> None:
+    """The systemctl-like table: state, ready, pid, uptime, memory, CPU, tasks, GPU memory,
+    restarts (automatic ones), last exit, reason. With `tiers` (the start order), units
+    are grouped by tier, the tier's number on its first row."""
     colour = use_colour() if colour is None else colour
-    rows = [("UNIT", "STATE", "PID", "UPTIME", "MEM", "CPU", "TASKS", "GPU", "RESTARTS", "LAST EXIT", "REASON")]
-    states = [""]
-    for u in units:
-        state = u["state"] + ("" if u["state"] != "active" or u.get("ready") else " (not ready)")
-        use = unit_usage(u.get("pid")) if usage else None
-        gpu = f"{u['gpu_mib']:.0f}MiB" if u.get("gpu_mib") is not None else "-"
-        rows.append((u["name"], state, str(u["pid"] or "-"), uptime(u),
-                     human_bytes(use[0]) if use else "-", f"{use[1]:.1f}s" if use else "-",
-                     str(use[2]) if use else "-", gpu, str(u["restarts"]),
-                     u.get("last_exit") or "-", u.get("reason") or ""))
-        states.append(u["state"])
-    n = len(rows[0]) - 1
-    widths = [max(len(r[i]) for r in rows) for i in range(n)]
-    for r, st in zip(rows, states):
-        cells = [c.ljust(widths[i]) for i, c in enumerate(r[:n])]
-        cells[1] = colour_state(cells[1], st, colour)
-        print("  ".join(cells) + "  " + r[n])
-    groups = {u["group"]["name"]: u["group"] for u in units if u.get("group")}
-    for g in groups.values():  # worker groups across hosts (omnid(8), CLUSTER)
+    by_name = {u["name"]: u for u in units}
+    usage_by_pid = usage_of_trees([u["pid"] for u in units if u.get("pid")]) if usage else {}
+    for name, failed in (because or {}).items():  # a unit that never started has no reason of its own
+        u = by_name.get(name)
+        if u is not None and not u.get("reason"):
+            by_name[name] = {**u, "reason": f"not started: requires {failed}, which failed"}
+    units = [by_name[u["name"]] for u in units]
+    groups: list[tuple[str, list[dict]]]
+    if tiers:
+        groups = [(str(i), [by_name[n] for n in t if n in by_name]) for i, t in enumerate(tiers)]
+        placed = {n for t in tiers for n in t}
+        rest = [u for u in units if u["name"] not in placed]  # a reload in between: shown, not lost
+        groups = [g for g in groups if g[1]] + ([("?", rest)] if rest else [])
+    else:
+        groups = [("", units)]
+    name_w = max([4, *(len(u["name"]) for u in units)])
+    lead = ["TIER"] if tiers else []
+
+    def line(first: list[str], name: str, cells: list[str], state: str | None) -> str:
+        out = [c.ljust(4) for c in first] + [name.ljust(name_w)]
+        for (_, width), c in zip(_COLUMNS, cells):
+            out.append(c.ljust(width))
+        text = ("  ".join(out) + "  " + cells[-1]).rstrip()
+        if width_limit and len(text) > width_limit:  # on a terminal, as systemctl: cut, never wrap
+            text = text[:width_limit - 1] + "…"
+        if state is not None and colour:  # the STATE cell, coloured after the cut (escapes take no room)
+            at = sum(len(c) + 2 for c in out[:len(first) + 1])
+            cell = text[at:at + len(out[len(first) + 1])]
+            text = text[:at] + colour_state(cell, state, True) + text[at + len(cell):]
+        return text
+
+    print(line(lead, "UNIT", [h for h, _ in _COLUMNS] + ["REASON"], None))
+    for tier, members in groups:
+        for i, u in enumerate(members):
+            print(line([tier if i == 0 else ""] if tiers else [], u["name"], _row(u, usage_by_pid.get(u.get("pid") or 0)),
+                       u["state"]))
+    seen = {u["group"]["name"]: u["group"] for u in units if u.get("group")}
+    for g in seen.values():  # worker groups across hosts (omnid(8), CLUSTER)
         print(group_line(g))
+
+
+_VERDICT_COLOUR = {"ok": "active", "failed": "failed", "starting": "starting", "degraded": "starting",
+                   "draining": "stopping", "stopping": "stopping"}
+
+
+def verdict_lines(units: list[dict], daemon: dict, *, colour: bool) -> list[str]:
+    """The first lines of `omnid status`: is the stack OK, and if not, why -- the verdict
+    /health gives, the units that failed (the root cause: a unit stopped because one it
+    requires failed names it in its reason), then what the stack and the daemon are."""
+    verdict = daemon.get("health") or _verdict(units)
+    n = len(units)
+    counts: dict[str, int] = {}
+    for u in units:
+        counts[u["state"]] = counts.get(u["state"], 0) + 1
+    word = colour_state(verdict.upper(), _VERDICT_COLOUR.get(verdict, ""), colour)
+    dot = colour_state("●", _VERDICT_COLOUR.get(verdict, ""), colour)
+    failed = [u for u in units if u["state"] == "failed"]
+    because = daemon.get("down_because") or {}  # {unit: the failed unit it requires}
+    down_for = [u for u in units if u["name"] in because]
+    degraded = {u["name"]: u["degraded"] for u in units if u.get("degraded")}
+    lines = []
+    if verdict == "ok":
+        lines.append(f"{dot} {word}: {n}/{n} units active and ready")
+    elif failed:
+        first = failed[0]
+        lines.append(f"{dot} {word}: {first['name']} failed: {first.get('reason') or 'no reason recorded'}")
+        for u in failed[1:3]:
+            lines.append(f"  and {u['name']} failed: {u.get('reason') or 'no reason recorded'}")
+        if len(failed) > 3:
+            lines.append(f"  and {len(failed) - 3} more failed: {', '.join(u['name'] for u in failed[3:])}")
+        if down_for:
+            causes = sorted({because[u["name"]] for u in down_for})
+            lines.append(f"  down with it: {_names(down_for)} (require{'s' if len(down_for) == 1 else ''} "
+                         f"{', '.join(causes)})")
+    elif degraded:
+        name, why = next(iter(degraded.items()))
+        lines.append(f"{dot} {word}: {name}: {why}")
+    else:
+        pending = [u for u in units if not (u["state"] == "active" and u.get("ready"))]
+        def doing(u: dict) -> str:
+            if u.get("goal") == "inactive":
+                return "stopped by request" if u["state"] == "inactive" else "stopping by request"
+            return u["state"] if u["state"] != "active" else "not ready"
+
+        what = ", ".join(f"{u['name']} ({doing(u)})" for u in pending[:4]) + (f" and {len(pending) - 4} more" if len(pending) > 4 else "")
+        lines.append(f"{dot} {word}: {len(pending)} of {n} units not up: {what}" if pending
+                     else f"{dot} {word}")
+    tally = ", ".join(f"{counts[s]} {s}" for s in ("active", "starting", "stopping", "inactive", "failed")
+                      if counts.get(s))
+    up = human_seconds(max(0.0, time.time() - daemon["since"])) if daemon.get("since") else "?"
+    lines.append(f"  {n} units: {tally}; daemon pid {daemon.get('pid', '?')}, up {up}; "
+                 f"units {daemon.get('units_dir', '?')}")
+    if daemon.get("health_listen"):
+        lines.append(f"  health http://{daemon['health_listen']}/health")
+    return lines
+
+
+def _names(units: list[dict], most: int = 6) -> str:
+    names = [u["name"] for u in units]
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _verdict(units: list[dict]) -> str:
+    """A daemon that does not say its verdict: the same rules as /health, from the units alone."""
+    if any(u["state"] == "failed" for u in units):
+        return "failed"
+    if any(u["state"] == "stopping" or u.get("goal") == "inactive" or u.get("degraded") for u in units):
+        return "degraded"
+    return "ok" if all(u["state"] == "active" and u.get("ready") for u in units) else "starting"
+
+
+def print_status(units: list[dict], daemon: dict, *, colour: bool | None = None, full: bool = False) -> None:
+    """`omnid status`: the verdict and its cause on top, then the units grouped by tier. On a
+    terminal, table rows are cut at its width (`full`: never); into a pipe never."""
+    import shutil
+
+    colour = use_colour() if colour is None else colour
+    for line in verdict_lines(units, daemon, colour=colour):
+        print(line)
+    print()
+    limit = None if full or not sys.stdout.isatty() else shutil.get_terminal_size().columns
+    print_units(units, colour=colour, tiers=daemon.get("tiers"), because=daemon.get("down_because"),
+                width_limit=limit)
 
 
 def group_line(g: dict) -> str:
@@ -132,7 +301,7 @@ def print_unit_detail(u: dict, lines: list[dict], *, colour: bool | None = None)
         print(f"  GPU free: {u['gpu_release_ms']:.0f} ms after the last stop or failure")
     if u.get("group"):
         print(f"     Group: {group_line(u['group'])}")
-    print(f"  Restarts: {u['restarts']}" + (" (gave up)" if u.get("gave_up") else ""))
+    print(f"  Restarts: {u['restarts']} automatic" + (" (gave up)" if u.get("gave_up") else ""))
     if u.get("last_exit"):
         print(f" Last exit: {u['last_exit']}")
     if u.get("reason"):
@@ -207,7 +376,15 @@ def print_summary(summary: list[dict]) -> None:
         if r.get("gpu_held"):
             gpu = "HELD"
             residue = ("" if residue == "none" else residue + "; ") + "GPU: " + "; ".join(r["gpu_held"])
-        rows.append((r["unit"], r["signal"], secs, "SIGKILL" if r["escalated"] else "no", gpu, residue))
+        sent = r["signal"]
+        if r.get("to") == "main":  # kill_mode mixed / process: the main process first, then the rest
+            sent += " to main"
+            if r.get("rest"):
+                after = f" at {r['main_seconds']:.3f}s" if r.get("main_seconds") is not None else ""
+                sent += f", rest {r['rest']}{after}"
+        elif r.get("rest"):  # the main process exited by itself (a drain), then the rest
+            sent = f"rest {r['rest']}"
+        rows.append((r["unit"], sent, secs, "SIGKILL" if r["escalated"] else "no", gpu, residue))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     for row in rows:
         print("  ".join(c.ljust(widths[i]) for i, c in enumerate(row[:5])) + "  " + row[5])
@@ -241,6 +418,19 @@ def print_reload_plan(plan: dict) -> None:
         print(f"{'unchanged':<10} {len(plan.get('unchanged', []))} units")
     for st in plan.get("settings", []):
         print(f"setting    {st['key']}: {st['from']} -> {st['to']}: {st['applies']}")
+
+
+def print_restart_plan(plan: list[dict]) -> None:
+    """`omnid restart`: every unit it stops and starts again, and why, before it acts."""
+    rows = [(p["unit"], p["why"]) for p in plan]
+    width = max(len(u) for u, _ in rows)
+    named = [u for u, why in rows if why == "named"]
+    more = len(rows) - len(named)
+    print(f"restarting {', '.join(named)}" + (f", and {more} more unit{'s' if more != 1 else ''} with "
+                                              f"{'them' if len(named) > 1 else 'it'}:" if more else ""))
+    for unit, why in rows:
+        if why != "named":
+            print(f"  {unit.ljust(width)}  {why}")
 
 
 def print_captures(captures: list[dict]) -> None:

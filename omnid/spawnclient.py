@@ -48,6 +48,9 @@ class SpawnRequest:
     # The program to execve, found in the unit's PATH by the daemon (argv[0] stays as the
     # unit wrote it); None: the child looks argv[0] up itself.
     path: str | None = None
+    # Listening sockets (omnid.sockets) and stored fds the child gets as fds 3, 4, ... with
+    # LISTEN_PID set to its own pid; LISTEN_FDS and LISTEN_FDNAMES are in `env`.
+    listen_fds: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,8 @@ def spawn_wire(rid: int, req: SpawnRequest) -> dict:
     """The spawn request as the spawner reads it (see omnid/spawner.py)."""
     return {"op": "spawn", "id": rid, "unit": req.unit, "argv": list(req.argv), "env": req.env, "cwd": req.cwd,
             "user": req.user, "group": req.group, "rlimits": [list(r) for r in req.rlimits], "cgroup": req.cgroup,
-            "placement": req.placement.to_wire() if req.placement is not None else None, "path": req.path}
+            "placement": req.placement.to_wire() if req.placement is not None else None, "path": req.path,
+            "nlisten": len(req.listen_fds)}
 
 
 # Requests queued in one turn are sent once this many are ready, the rest at the turn's end.
@@ -375,6 +379,7 @@ class SpawnerClient:
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         queued = _Queued(rid, wire, env, [out_w] if err_w is None else [out_w, err_w])
+        queued.fds.extend(req.listen_fds)  # after stdio: the spawner counts them from the end
         self._queue.append(queued)
         if len(self._queue) >= PIPELINE_SPAWNS and not self._writer:
             # A big tier goes out in parts as it is built: the spawner starts the first

@@ -12,7 +12,9 @@ Protocol, one JSON object per datagram, fds by SCM_RIGHTS:
                      {"op": "spawn", "env": BASE, "batch": [SPAWN, ...]} + [each SPAWN's fds, in order]
                         SPAWN = {"id", "unit", "argv", "env": {changed vars}, "unset": [vars],
                                  "cwd", "user", "group", "rlimits", "cgroup", "placement", "nfds",
-                                 "path"?: the program to execve, else argv[0] through PATH}
+                                 "path"?: the program to execve, else argv[0] through PATH,
+                                 "nlisten"?: how many of its fds, the last ones, the child gets as
+                                 fds 3, 4, ... with LISTEN_PID = its own pid (omnid/sockets.py)}
                         (a tier's spawns in one datagram, or a few for a big tier: one wake-up,
                          one read, one decode for many)
                      {"op": "spawn", "id", "unit", "argv", "env", ...} + [stdout, stderr]  (one spawn)
@@ -50,6 +52,7 @@ few ms and every fork copies a smaller process.
 from __future__ import annotations
 
 import errno
+import fcntl
 import gc
 import grp
 import json
@@ -87,7 +90,7 @@ def assert_single_threaded() -> None:
 
 def _child_setup_and_exec(req: dict, out_fd: int, errout_fd: int, err_w: int, spawner_pid: int,
                           reset_signals: tuple[int, ...] = (), devnull: int = -1,
-                          placement: tuple | None = None) -> None:
+                          placement: tuple | None = None, listen: list[int] | tuple[int, ...] = ()) -> None:
     """Runs in the forked child; never returns. Every Python operation here copies the pages it
     touches (copy-on-write after fork), so the parent prepared what it could: the signals to
     reset, /dev/null, the placement's arguments."""
@@ -111,8 +114,20 @@ def _child_setup_and_exec(req: dict, out_fd: int, errout_fd: int, err_w: int, sp
         os.dup2(devnull, 0)
         os.dup2(out_fd, 1)
         os.dup2(errout_fd, 2)
+        if listen:
+            # Fds 3.. become the listening sockets: first every fd in the way (the error pipe,
+            # the sockets themselves) is moved above them, then each is put in its place.
+            top = 3 + len(listen)
+            if err_w < top:
+                err_w = fcntl.fcntl(err_w, fcntl.F_DUPFD_CLOEXEC, top)
+            moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, top) for fd in listen]
+            for i, fd in enumerate(moved):
+                os.dup2(fd, 3 + i, inheritable=True)
+            req["env"]["LISTEN_PID"] = str(os.getpid())  # theirs alone: a grandchild's pid differs
+            os.closerange(top, err_w)
+        else:
+            os.closerange(3, err_w)
         # Close everything else (the error pipe is close-on-exec and must stay open).
-        os.closerange(3, err_w)
         os.closerange(err_w + 1, 1 << 20)
         for res, soft, hard in req.get("rlimits") or ():
             stage = f"setrlimit({res})"
@@ -260,7 +275,8 @@ def _compiled_failure(req: dict, stage: int, err: int, index: int, candidates: l
     if stage == c.ST_ORPHANED:
         return 0, "the spawner died before PR_SET_PDEATHSIG was armed"
     names = {c.ST_SETSID: "setsid", c.ST_PDEATHSIG: "prctl(PR_SET_PDEATHSIG)", c.ST_SIGNALS: "signal reset",
-             c.ST_STDIO: "stdio", c.ST_PDEATHSIG_AGAIN: "prctl(PR_SET_PDEATHSIG) after the uid/gid switch"}
+             c.ST_STDIO: "stdio", c.ST_PDEATHSIG_AGAIN: "prctl(PR_SET_PDEATHSIG) after the uid/gid switch",
+             getattr(c, "ST_LISTEN", -1): f"listening fd {index + 3}"}
     return 0, f"{names.get(stage, f'stage {stage}')} failed: {why}"
 
 
@@ -421,15 +437,27 @@ class Spawner:
         """Fork and set up one child; its exec outcome is reported from the poll loop,
         so many spawns overlap instead of each waiting for the previous exec."""
         # fds: the unit's stdout pipe, then its stderr pipe (the same pipe when only one came).
+        nlisten = req.get("nlisten") or 0
+        if not isinstance(nlisten, int) or not 0 <= nlisten <= len(fds) - 1:
+            nlisten = 0  # a malformed count: the fds are closed below, nothing is passed
+        listen = fds[len(fds) - nlisten:] if nlisten else []
+        fds = fds[:len(fds) - nlisten]
         out_fd = fds[0] if fds else os.open("/dev/null", os.O_WRONLY | os.O_CLOEXEC)
         errout_fd = fds[1] if len(fds) > 1 else out_fd
         for extra in fds[2:]:
             os.close(extra)
+        try:
+            self._spawn(req, out_fd, errout_fd, listen)
+        finally:
+            for fd in listen:  # the child has its copies (or never ran); the daemon holds its own
+                os.close(fd)
+
+    def _spawn(self, req: dict, out_fd: int, errout_fd: int, listen: list[int]) -> None:
         placement = req.get("placement")
         # A path on a filesystem that may hang: a vfork would hold this loop until the child
         # execs, so such a spawn forks instead (and is bounded: expire_launches).
         if self.compiled and may_hang(req, self.mounts()) is None:
-            self.spawn_compiled(req, out_fd, errout_fd, placement)
+            self.spawn_compiled(req, out_fd, errout_fd, placement, listen)
             return
         err_r = err_w = -1
         try:
@@ -446,7 +474,8 @@ class Spawner:
             self.send({"op": "spawn_failed", "id": req["id"], "error": f"{what}: {exc}", "errno": 0})
             return
         if pid == 0:
-            _child_setup_and_exec(req, out_fd, errout_fd, err_w, self.pid, self.reset_signals, self.devnull, args)
+            _child_setup_and_exec(req, out_fd, errout_fd, err_w, self.pid, self.reset_signals, self.devnull, args,
+                                  listen)
         os.close(err_w)
         os.close(out_fd)
         if errout_fd != out_fd:
@@ -463,7 +492,7 @@ class Spawner:
         self.by_errfd[err_r] = pid
         self.poller.register(err_r, select.POLLIN)
 
-    def spawn_compiled(self, req: dict, out_fd: int, errout_fd: int, placement) -> None:
+    def spawn_compiled(self, req: dict, out_fd: int, errout_fd: int, placement, listen: list[int] = ()) -> None:
         """One spawn through omnid._spawnc: when it returns the child has exec'd or failed, so
         its "spawned" (with the pidfd) or "spawn_failed" goes out in this turn's answer. A
         failed child exits 127 and is reported as an adopted exit when reaped, as on the
@@ -481,7 +510,8 @@ class Spawner:
             return
         try:
             assert_single_threaded()
-            pid, stage, err, index = _spawnc.spawn(*plan)
+            # The listening fds go as trailing arguments: the child sets LISTEN_PID itself.
+            pid, stage, err, index = _spawnc.spawn(*plan, *((list(listen),) if listen else ()))
         except (OSError, SpawnerInvariantError) as exc:
             pid, error = -1, f"fork failed: {exc}"
         except (ValueError, TypeError, OverflowError) as exc:

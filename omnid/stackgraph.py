@@ -3,13 +3,14 @@ tiers (Kahn, linear) and worker groups."""
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
 from omnid.unitfile import GROUP_POLICY_KEYS, _Template
-from omnid.unitmodel import DrainHook, Liveness, Progress, Ready, ReadyKind, Unit, UnitFileError, _REFERENCE, _SPECIFIER
+from omnid.unitmodel import DrainHook, ListenSocket, Liveness, Progress, Ready, ReadyKind, Unit, UnitFileError, _REFERENCE, _SPECIFIER
 from omnid.unitvalues import _Invalid, _Table, _http_url, _quote, parse_host_port
 
 
@@ -83,6 +84,7 @@ def _expand_unit(
             drain = DrainHook(url=_http_url(x(drain.url)))
         except _Invalid as exc:
             t.error("drain.http", str(exc))
+    sockets = _expand_sockets(v["sockets"], name, x, t)
     cwd = v["cwd"]
     if cwd is not None:
         # Relative to the stack directory: the daemon's own cwd is "/" under systemd.
@@ -134,7 +136,64 @@ def _expand_unit(
         memory_max=v["memory_max"],
         tasks_max=v["tasks_max"],
         numa=v["numa"],
+        sockets=sockets,
     )
+
+
+_SUN_PATH_MAX = 107  # sockaddr_un's sun_path holds 108 bytes with the NUL
+
+
+def _expand_sockets(sockets: tuple[ListenSocket, ...], name: str, x: Callable[[str], str],
+                    t: _Table) -> tuple[ListenSocket, ...]:
+    """`sockets` with %i / %n expanded and each address checked: a numeric HOST:PORT (no
+    resolver thread in the daemon) or an absolute path that fits sockaddr_un."""
+    out: list[ListenSocket] = []
+    seen: dict[str, int] = {}
+    for i, s in enumerate(sockets):
+        key = f"sockets[{i}]"
+        if not s.listen:
+            continue  # an entry its file's reader already reported
+        listen = x(s.listen)
+        if listen.startswith("/"):
+            if len(listen.encode()) > _SUN_PATH_MAX or "\0" in listen:
+                t.error(f"{key}.listen", f"expected a Unix socket path of at most {_SUN_PATH_MAX} bytes, "
+                        f"got {_quote(listen)}")
+                continue
+        else:
+            try:
+                host, port = parse_host_port(listen)
+                ipaddress.ip_address(host)
+            except ValueError as exc:
+                msg = str(exc) if "HOST:PORT" in str(exc) else (
+                    f'expected a numeric address ("127.0.0.1:8000", "[::]:8000") or an absolute Unix socket '
+                    f"path, got {_quote(listen)}")
+                t.error(f"{key}.listen", msg)
+                continue
+            if s.mode is not None:
+                t.error(f"{key}.mode", "applies to a Unix socket path only; expected it absent for HOST:PORT")
+            listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if listen in seen:
+            t.error(f"{key}.listen", f"the same address as sockets[{seen[listen]}]; expected each address once")
+            continue
+        seen[listen] = i
+        out.append(replace(s, listen=listen, name=x(s.name) if s.name else name,
+                           mode=0o660 if s.mode is None else s.mode))
+    return tuple(out)
+
+
+def _socket_clashes(units: Mapping[str, Unit], errors: list[UnitFileError]) -> None:
+    """Two units (or instances) on one address: the second bind would fail at its start,
+    unless every socket on it sets reuseport (then the kernel spreads the connections)."""
+    first: dict[str, tuple[Unit, int, bool]] = {}
+    for unit in units.values():
+        for i, s in enumerate(unit.sockets):
+            other = first.setdefault(s.listen, (unit, i, s.reuseport))
+            if other[0] is unit:
+                continue
+            if s.unix or not (s.reuseport and other[2]):
+                errors.append(UnitFileError(unit.file, f"sockets[{i}].listen", (
+                    f"{_quote(s.listen)} is also a socket of {other[0].name}; expected each address once "
+                    f"(a TCP address shared by instances: reuseport = true on each)")))
 
 
 def _resolve_reference(

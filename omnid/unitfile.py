@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from omnid.cluster.settings import HOST_NAME, parse_cluster
-from omnid.unitmodel import DEFAULT_TITLE, DaemonSettings, DrainHook, KillMode, Liveness, LogFormat, NumaMode, Progress, Ready, ReadyKind, RestartPolicy, TorchDistributed, UnitFileError
+from omnid.unitmodel import DEFAULT_TITLE, DaemonSettings, DrainHook, KillMode, ListenSocket, Liveness, LogFormat, NumaMode, Progress, Ready, ReadyKind, RestartPolicy, TorchDistributed, UnitFileError
 from omnid.unitvalues import MAX_INSTANCES, InvalidValue, _Invalid, _Table, _argv, _cgroup_amount, _choice, _describe, _env, _gpus, _group_name, _integer, _limits, _nonempty_string, _numa, _quote, _seconds, _seconds_at_most, _string, _string_list, parse_host_port, parse_signal
 
 
@@ -27,12 +27,15 @@ UNIT_KEYS = (
     "start_limit_burst", "start_limit_interval", "gpu_min_free_mib", "worker_group", "torch_distributed",
     "memory_max", "tasks_max", "capture_timeout", "drain", "drain_timeout", "group_hosts", "numa",
     "progress", "ready_interval", "kill_mode", "leftover_timeout", "private_tmp", "remove_ipc",
+    "sockets",
 )  # fmt: skip
 TORCH_DISTRIBUTED_KEYS = ("master_addr", "master_port")
 # The restart policy of a worker group is one policy: every member must declare the same.
 GROUP_POLICY_KEYS = ("restart", "restart_sec", "restart_max_sec", "start_limit_burst", "start_limit_interval")
 LIVENESS_KEYS = ("http", "exec", "method", "body", "headers", "expect", "interval", "timeout", "failures")
 PROGRESS_KEYS = ("metrics", "counter", "busy", "stall_sec", "interval")
+SOCKET_KEYS = ("listen", "name", "backlog", "mode", "reuseport")
+MAX_SOCKETS = 64  # per unit: held open by the daemon for as long as the unit is in the stack
 SETTINGS_KEYS = ("control", "state_dir", "health_listen", "log_format", "cgroup_root", "drain_sec", "stop_deadline", "cluster",
                  "exit_when_failed")
 
@@ -158,6 +161,7 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
         "private_tmp": t.get("private_tmp", True, _boolean),
         "remove_ipc": t.get("remove_ipc", True, _boolean),
         "numa": t.get("numa", NumaMode.AUTO, _numa),
+        "sockets": (),
     }
     td = raw.get("torch_distributed", False)
     if td is True or isinstance(td, dict):
@@ -179,6 +183,8 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
         v["liveness"] = _liveness(file, raw["liveness"], errors)
     if "progress" in raw:
         v["progress"] = _progress(file, raw["progress"], errors)
+    if "sockets" in raw:
+        v["sockets"] = _sockets(file, raw["sockets"], errors)
     if v["watchdog_sec"] > 0 and v["ready"].kind is not ReadyKind.NOTIFY:
         t.error("watchdog_sec", f'needs ready = "notify" (the watchdog is fed by WATCHDOG=1 notifications), '
                 f'got ready = "{v["ready"].kind}"')  # fmt: skip
@@ -303,6 +309,53 @@ def _progress(file: Path, raw: Any, errors: list[UnitFileError]) -> Progress | N
         pt.error("interval", f"expected seconds <= stall_sec ({p.stall_sec:g}): a stall is seen only between "
                  f"two scrapes; got {p.interval:g}")
     return p
+
+
+_SOCKET_EXPECTED = ('an array of tables { listen = "HOST:PORT" or "/path.sock", name = "http", backlog = 1024, '
+                    'mode = "0660", reuseport = false }')
+
+
+def _fd_name(value: Any) -> str:
+    # sd_listen_fds_with_names(3): printable ASCII, no ':' (the separator), at most 255.
+    if isinstance(value, str) and 0 < len(value) <= 255 and all(" " < c <= "~" and c != ":" for c in value):
+        return value
+    raise _Invalid(f"expected a name of 1 to 255 printable ASCII characters without ':' or spaces, "
+                   f"got {_describe(value)}")
+
+
+def _file_mode(value: Any) -> int:
+    if isinstance(value, str) and re.fullmatch(r"0?[0-7]{3}", value):
+        return int(value, 8)
+    raise _Invalid(f'expected an octal file mode as a string, e.g. "0660", got {_describe(value)}')
+
+
+def _sockets(file: Path, raw: Any, errors: list[UnitFileError]) -> tuple[ListenSocket, ...]:
+    """`sockets`: the addresses are checked after %i expansion (omnid.stackgraph)."""
+    if not isinstance(raw, list) or len(raw) > MAX_SOCKETS:
+        got = f"an array of {len(raw)}" if isinstance(raw, list) else _describe(raw)
+        errors.append(UnitFileError(file, "sockets", f"expected {_SOCKET_EXPECTED} (at most {MAX_SOCKETS}), "
+                                    f"got {got}"))
+        return ()
+    out = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            errors.append(UnitFileError(file, f"sockets[{i}]", f"expected a table {{ listen = \"HOST:PORT\" }}, "
+                                        f"got {_describe(item)}"))
+            out.append(ListenSocket("", ""))  # keeps the next ones' indexes; the stack is invalid
+            continue
+        st = _Table(file, item, errors, prefix=f"sockets[{i}].")
+        st.check_keys(SOCKET_KEYS)
+        if "listen" not in item:
+            st.error("listen", 'missing; expected "HOST:PORT" (e.g. "127.0.0.1:8000", "[::1]:8000") or an '
+                     'absolute Unix socket path')
+            out.append(ListenSocket("", ""))
+            continue
+        mode = st.get("mode", None, _file_mode)  # None: not written (checked after expansion)
+        out.append(ListenSocket(
+            listen=st.get("listen", "", _nonempty_string), name=st.get("name", "", _fd_name),
+            backlog=st.get("backlog", 1024, _integer(1, 65535)), mode=mode,
+            reuseport=st.get("reuseport", False, _boolean)))
+    return tuple(out)
 
 
 def _boolean(value: Any) -> bool:

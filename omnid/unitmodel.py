@@ -23,7 +23,7 @@ DEFAULT_TITLE = "omnid: %n"
 # Set by omnid itself (omnid.unit(5), ENVIRONMENT OF A UNIT); a unit that overrode
 # them would hide from residue scans or talk to the wrong notify socket.
 RESERVED_ENV = frozenset({"OMNID_UNIT", "OMNID_INSTANCE", "OMNID_INSTANCES", "OMNID_GENERATION", "SPT_NOENV",
-                          "NOTIFY_SOCKET"})
+                          "NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_FDNAMES", "LISTEN_PID"})
 
 # '@' separates a template from its instance number and '%' starts a specifier,
 # so neither may appear in a unit name; '/' would escape the directory.
@@ -127,6 +127,22 @@ class Progress:
     busy: tuple[str, ...]
     stall_sec: float = 60.0
     interval: float = 5.0
+
+
+@dataclass(frozen=True)
+class ListenSocket:
+    """One `sockets` entry: a listening socket the daemon binds before the unit starts and
+    holds across its restarts, passed to it as systemd does (LISTEN_FDS, from fd 3)."""
+
+    listen: str  # "HOST:PORT" (numeric host, IPv6 in brackets) or an absolute Unix socket path
+    name: str  # its LISTEN_FDNAMES entry
+    backlog: int = 1024
+    mode: int = 0o660  # a Unix socket's file mode
+    reuseport: bool = False  # SO_REUSEPORT: several sockets (instances) on one address
+
+    @property
+    def unix(self) -> bool:
+        return self.listen.startswith("/")
 
 
 class KillMode(StrEnum):
@@ -239,6 +255,7 @@ class Unit:
     gpu_min_free_mib: int = 0
     memory_max: int | str | None = None  # cgroup memory.max (systemd MemoryMax=); "max" = no limit
     tasks_max: int | str | None = None  # cgroup pids.max (systemd TasksMax=)
+    sockets: tuple[ListenSocket, ...] = ()  # held by the daemon, passed from fd 3 (omnid.sockets)
 
     @property
     def dependencies(self) -> tuple[str, ...]:

@@ -22,18 +22,18 @@ from pathlib import Path
 from types import MappingProxyType
 
 from omnid.ownership import check_unit_path
-from omnid.stackgraph import _dependencies, _expand_unit, _instance_names, _tiers, _worker_groups
+from omnid.stackgraph import _dependencies, _expand_unit, _instance_names, _socket_clashes, _tiers, _worker_groups
 from omnid.unitfile import _Template, _parse_settings, _parse_unit_file, _read_toml
 from omnid.unitmodel import DaemonSettings, SETTINGS_FILE, Stack, StackInvalid, Unit, UnitFileError, _NAME
 from omnid.unitvalues import MAX_UNITS
 from omnid.unitmodel import (  # noqa: F401 - re-exported
-    DEFAULT_TITLE, DaemonSettings, DrainHook, GpuRef, KillMode, Liveness, Progress, LogFormat, NumaMode, RESERVED_ENV, RLIMITS, Ready, ReadyKind, RestartPolicy, Rlimit, SETTINGS_FILE, Stack, StackInvalid, TORCH_ENV, TorchDistributed, Unit, UnitFileError,
+    DEFAULT_TITLE, DaemonSettings, DrainHook, GpuRef, KillMode, ListenSocket, Liveness, Progress, LogFormat, NumaMode, RESERVED_ENV, RLIMITS, Ready, ReadyKind, RestartPolicy, Rlimit, SETTINGS_FILE, Stack, StackInvalid, TORCH_ENV, TorchDistributed, Unit, UnitFileError,
 )
 from omnid.unitvalues import (  # noqa: F401 - re-exported
     InvalidValue, MAX_INSTANCES, MAX_RLIMIT, MAX_SECONDS, MAX_UNITS, parse_host_port, parse_signal,
 )
 from omnid.unitfile import (  # noqa: F401 - re-exported
-    GROUP_POLICY_KEYS, LIVENESS_KEYS, MAX_UNIT_FILE_BYTES, PROGRESS_KEYS, SETTINGS_KEYS, TORCH_DISTRIBUTED_KEYS, UNIT_KEYS,
+    GROUP_POLICY_KEYS, LIVENESS_KEYS, MAX_UNIT_FILE_BYTES, PROGRESS_KEYS, SETTINGS_KEYS, SOCKET_KEYS, TORCH_DISTRIBUTED_KEYS, UNIT_KEYS,
 )
 
 
@@ -117,6 +117,7 @@ def _load(directory: Path, given: Mapping[str, bytes] | None = None) -> tuple[St
     tiers, tier_of = _tiers(units, edges, errors)
     groups = _worker_groups(units, errors)
     _check_group_hosts(units, settings, errors)
+    _socket_clashes(units, errors)
     required_by: dict[str, list[str]] = {n: [] for n in units}
     for unit in units.values():
         for dep in unit.requires:

@@ -124,8 +124,11 @@ def test_start_with_another_stack_while_a_daemon_runs_is_exit_2_naming_both(tmp_
     assert r.returncode == 2, r.stdout + r.stderr
     assert str(first) in r.stderr and str(other) in r.stderr, r.stderr
     assert "ready" not in r.stdout
-    r = cli("start", "--timeout", "30")  # no -u: the running stack, whatever it is
-    assert r.returncode == 0 and "ready in" in r.stdout, r.stdout + r.stderr
+    # No -u means the demo stack (omnid(8)), not "whatever runs": refused the same (issue #28).
+    r = cli("start", "--timeout", "30")
+    assert r.returncode == 2 and str(first) in r.stderr, r.stdout + r.stderr
+    r = cli("start", "a", "--timeout", "30")  # the running stack, by unit name
+    assert r.returncode == 0 and "already active" in r.stdout, r.stdout + r.stderr
 
 
 def test_start_progress_starts_from_a_snapshot_and_misses_no_unit(tmp_path, cli):
@@ -241,7 +244,9 @@ def test_python_unit_print_reaches_logs_without_pythonunbuffered(tmp_path, daemo
         r = omnid("--control", d.control, "logs", "talk", "--text")
         assert r.returncode == 0 and "[stdout] hello from print" in r.stdout, r.stdout + r.stderr
         assert r.stdout[:4].isdigit()  # a date first
-        r = omnid("--control", d.control, "logs", "talk")  # not a TTY: JSON lines
+        r = omnid("--control", d.control, "logs", "talk")  # not a TTY: text all the same (issue #28)
+        assert "[stdout] hello from print" in r.stdout, r.stdout
+        r = omnid("--control", d.control, "logs", "talk", "--json")
         item = json.loads(r.stdout.splitlines()[0])
         assert item["unit"] == "talk" and item["line"] == "hello from print" and "ts" in item
         r = omnid("--control", d.control, "logs", "talk", "--since", "1h", "--text")
@@ -334,10 +339,13 @@ def test_status_shows_uptime_memory_cpu_tasks_and_detail_view_with_log_lines(tmp
     wait_for(lambda: d.ok("logs", {"unit": "talk", "n": 1})["talk"], 10, "the unit's first line")
     r = omnid("--control", d.control, "status")
     assert r.returncode == 0, r.stderr
-    header, row = r.stdout.splitlines()[:2]
+    lines = r.stdout.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("TIER"))  # below the verdict (issue #28)
+    header, row = lines[at:at + 2]
     for col in ("UPTIME", "MEM", "CPU", "TASKS", "GPU", "LAST EXIT", "REASON"):
         assert col in header
-    assert "M" in row.split()[4] or "K" in row.split()[4], row  # RSS of a live python
+    mem = row[header.index("MEM"):].split()[0]
+    assert "M" in mem or "K" in mem, row  # RSS of a live python
     assert "\x1b[" not in r.stdout  # no colours into a pipe
     r = omnid("--control", d.control, "status", "talk")
     assert r.returncode == 0, r.stderr

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from omnid.core import lifecycle as lc
+from omnid.unitmodel import KillMode
 from omnid.core.lifecycle import (ACTION_TYPES, ArmTimer, Capture, Cause, CountStart, DecideRestart, Drain, Event,
                                   Goal, IllegalEvent, Phase, Publish, RecordFailure, Release, ReportUnkillable,
                                   Signal, Spawn, StartMonitors, Step, UnitState, View, WaitRelease, WatchGone,
@@ -39,16 +40,16 @@ SPAWNING_CELLS = {E.SPAWNED: {ST}, E.SPAWN_FAILED: {FA}, E.INTERNAL_ERROR: {FA, 
 EXPECTED: dict[tuple[UnitState, Phase], dict[Event, set]] = {
     IN: {E.START_REQUESTED: {INs}, E.INTERNAL_ERROR: {FA}},
     INs: SPAWNING_CELLS,
-    ST: {E.READY: {AC}, E.NOT_READY: {Sc, Ss}, E.EXITED: {FA, FAr, Sk}, E.STOP_REQUESTED: {Ss},
+    ST: {E.READY: {AC}, E.NOT_READY: {Sc, Ss}, E.EXITED: {FA, FAr, Sk, Ss}, E.STOP_REQUESTED: {Ss},
          E.DEPENDENCY_DOWN: {Ss}, E.GROUP_DOWN: {Ss}, E.GROUP_FENCED: {Sk}, E.GPU_FAULT: {Ss},
          E.INTERNAL_ERROR: {Ss}},
-    AC: {E.EXITED: {FA, FAr, Sk}, E.STOP_REQUESTED: {Sd, Ss}, E.DEPENDENCY_DOWN: {Ss}, E.GROUP_DOWN: {Ss},
+    AC: {E.EXITED: {FA, FAr, Sk, Ss}, E.STOP_REQUESTED: {Sd, Ss}, E.DEPENDENCY_DOWN: {Ss}, E.GROUP_DOWN: {Ss},
          E.GROUP_FENCED: {Sk}, E.GPU_FAULT: {Ss}, E.INTERNAL_ERROR: {Ss}, E.WATCHDOG_EXPIRED: {Sc, Ss},
          E.LIVENESS_FAILED: {Sc, Ss}},
     Sc: {E.CAPTURED: {Ss}, E.EXITED: {Sk}, E.INTERNAL_ERROR: {Sk}, E.GROUP_FENCED: {Sk}},
-    Sd: {E.DRAINED: {Ss}, E.EXITED: {Ss}, E.DEPENDENCY_DOWN: {Ss}, E.GROUP_DOWN: {Ss}, E.GROUP_FENCED: {Sk},
+    Sd: {E.DRAINED: {Ss}, E.EXITED: {Ss, Sk}, E.DEPENDENCY_DOWN: {Ss}, E.GROUP_DOWN: {Ss}, E.GROUP_FENCED: {Sk},
          E.GPU_FAULT: {Ss}, E.INTERNAL_ERROR: {Sk}},
-    Ss: {E.GONE: ENDED, E.STOP_TIMEOUT: {Sk}, E.CAPTURE_DUE: {Ss}, E.INTERNAL_ERROR: {Sk}, E.GROUP_FENCED: {Sk}},
+    Ss: {E.GONE: ENDED, E.STOP_TIMEOUT: {Sk}, E.EXITED: {Ss, Sk}, E.CAPTURE_DUE: {Ss}, E.INTERNAL_ERROR: {Sk}, E.GROUP_FENCED: {Sk}},
     Sk: {E.GONE: ENDED, E.KILL_TIMEOUT: ENDED, E.INTERNAL_ERROR: {FA, FAr}},
     Sr: {E.RELEASED: {IN}, E.INTERNAL_ERROR: {FA}},
     FA: {E.START_REQUESTED: {FAs}, E.RESTART_DUE: {FAs}, E.STOP_REQUESTED: {IN}, E.INTERNAL_ERROR: {FA}},
@@ -57,6 +58,9 @@ EXPECTED: dict[tuple[UnitState, Phase], dict[Event, set]] = {
 }
 # A process runs in these positions (or may: a spawn that crashed after its child was adopted).
 HOLDS_A_PROCESS = {ST, AC, Sc, Sd, Ss}
+TIMER_OUTCOMES = {"ready_timeout": E.NOT_READY, "stop_timeout": E.STOP_TIMEOUT, "kill_timeout": E.KILL_TIMEOUT,
+                  "capture_timeout": E.CAPTURED, "capture_due": E.CAPTURE_DUE, "drain_timeout": E.DRAINED,
+                  "leftover_timeout": E.STOP_TIMEOUT}
 
 
 def views(state: UnitState, phase: Phase) -> list[View]:
@@ -65,6 +69,11 @@ def views(state: UnitState, phase: Phase) -> list[View]:
     for cause, bits, down in itertools.product((None, *Cause), range(32), (False, True)):
         out.append(View("worker@1", state, phase, cause=cause, leftovers=bool(bits & 1), gpu=bool(bits & 2),
                         capture=bool(bits & 4), drain=bool(bits & 8), shutting_down=down, running=bool(bits & 16)))
+    # The kill-mode flags, against the flags the cells that read them read too.
+    for cause, mode, bits in itertools.product((None, *Cause), KillMode, range(32)):
+        out.append(View("worker@1", state, phase, cause=cause, leftovers=bool(bits & 1), gpu=bool(bits & 2),
+                        drain=bool(bits & 16), kill_mode=mode, rest_pending=bool(bits & 4),
+                        leftover_grace=bool(bits & 8)))
     return out
 
 
@@ -177,10 +186,8 @@ def test_every_action_type_has_exactly_one_handler_in_the_executor():
 def test_every_timer_the_table_arms_is_known_to_the_executor():
     from omnid.core.executor import TIMER_EVENTS
 
-    assert TIMER_EVENTS == {"ready_timeout": E.NOT_READY, "stop_timeout": E.STOP_TIMEOUT,
-                            "kill_timeout": E.KILL_TIMEOUT, "capture_timeout": E.CAPTURED,
-                            "capture_due": E.CAPTURE_DUE, "drain_timeout": E.DRAINED}
-    armed = {a.which for (s, p, e) in lc.TABLE for v in views(s, p)[::7] for a in step(v, e).actions
+    assert TIMER_EVENTS == TIMER_OUTCOMES
+    armed = {a.which for (s, p, e) in lc.TABLE for v in views(s, p) for a in step(v, e).actions
              if isinstance(a, ArmTimer)}
     assert armed == set(TIMER_EVENTS), armed ^ set(TIMER_EVENTS)
 
@@ -216,6 +223,63 @@ def test_a_death_is_failed_only_once_the_kernel_proves_the_unit_empty():
     gpu = one(S.ACTIVE, P.IDLE, E.EXITED, gpu=True)
     assert (gpu.state, gpu.phase) == (S.FAILED, P.RELEASING) and gpu.actions[-1] == WaitRelease()
     assert one(S.FAILED, P.RELEASING, E.RELEASED) == Step(S.FAILED, P.IDLE)
+
+
+def test_leftovers_of_a_dead_main_get_the_stop_signal_and_leftover_timeout_before_sigkill():
+    """issue 25: the failure is recorded and published at once (`stopping`); the leftovers get
+    stop_signal + SIGCONT, and SIGKILL when leftover_timeout feeds STOP_TIMEOUT."""
+    graced = one(S.ACTIVE, P.IDLE, E.EXITED, leftovers=True, leftover_grace=True)
+    assert graced == Step(S.STOPPING, P.SIGNALLED, (RecordFailure(), Publish(), Signal("stop_signal", cont=True),
+                                                   ArmTimer("leftover_timeout"), WatchGone()), Cause.FAILURE)
+    # whatever the kill_mode: the main process is gone, everything left is signalled
+    assert one(S.STARTING, P.IDLE, E.EXITED, leftovers=True, leftover_grace=True,
+               kill_mode=KillMode.MIXED).actions[2] == Signal("stop_signal", cont=True)
+    assert one(S.STOPPING, P.SIGNALLED, E.STOP_TIMEOUT, cause=Cause.FAILURE) == Step(
+        S.STOPPING, P.KILLED, (Signal("SIGKILL"), ArmTimer("kill_timeout")))
+    assert one(S.STOPPING, P.SIGNALLED, E.GONE, cause=Cause.FAILURE).state is S.FAILED
+    assert one(S.STOPPING, P.SIGNALLED, E.GROUP_FENCED, cause=Cause.FAILURE).phase is P.KILLED  # no grace left
+    # no leftovers: no grace to give; leftover_timeout = 0: SIGKILL at once, as before
+    assert one(S.ACTIVE, P.IDLE, E.EXITED, leftover_grace=True).state is S.FAILED
+    assert one(S.ACTIVE, P.IDLE, E.EXITED, leftovers=True).actions[2] == Signal("SIGKILL")
+
+
+def test_kill_mode_mixed_and_process_signal_the_main_process_first_then_the_rest_on_its_exit():
+    for mode in (KillMode.MIXED, KillMode.PROCESS):
+        stop = one(S.ACTIVE, P.IDLE, E.STOP_REQUESTED, kill_mode=mode)
+        assert stop == Step(S.STOPPING, P.SIGNALLED, (Publish(), Signal("stop_signal", cont=True, to="main"),
+                                                     ArmTimer("stop_timeout"), WatchGone()), Cause.REQUEST)
+        for ev in (E.DEPENDENCY_DOWN, E.GROUP_DOWN):
+            assert Signal("stop_signal", cont=True, to="main") in one(S.ACTIVE, P.IDLE, ev, kill_mode=mode).actions
+        assert one(S.STOPPING, P.DRAINING, E.DRAINED, cause=Cause.REQUEST, kill_mode=mode).actions[0] == \
+            Signal("stop_signal", cont=True, to="main")
+        # stop_timeout: everything gets SIGKILL, whatever the mode
+        assert one(S.STOPPING, P.SIGNALLED, E.STOP_TIMEOUT, kill_mode=mode, rest_pending=True).actions[0] == \
+            Signal("SIGKILL")
+    # the main process exited: mixed SIGKILLs the rest (kill_timeout then bounds it) ...
+    assert one(S.STOPPING, P.SIGNALLED, E.EXITED, kill_mode=KillMode.MIXED, rest_pending=True) == Step(
+        S.STOPPING, P.KILLED, (Signal("SIGKILL", to="rest"), ArmTimer("kill_timeout")))
+    # ... process gives it stop_signal, in the same position: the stop_timeout armed at the start still runs
+    assert one(S.STOPPING, P.SIGNALLED, E.EXITED, kill_mode=KillMode.PROCESS, rest_pending=True) == Step(
+        S.STOPPING, P.SIGNALLED, (Signal("stop_signal", cont=True, to="rest"),))
+    # the rest dealt with (or everything signalled at once): its exit changes nothing
+    for mode in KillMode:
+        assert one(S.STOPPING, P.SIGNALLED, E.EXITED, kill_mode=mode) == Step(S.STOPPING, P.SIGNALLED)
+    # a main process that drained and exited by itself: the rest's turn at once
+    assert one(S.STOPPING, P.DRAINING, E.EXITED, cause=Cause.REQUEST, kill_mode=KillMode.MIXED) == Step(
+        S.STOPPING, P.KILLED, (Signal("SIGKILL", to="rest"), ArmTimer("kill_timeout"), WatchGone()), Cause.REQUEST)
+    assert one(S.STOPPING, P.DRAINING, E.EXITED, cause=Cause.REQUEST, kill_mode=KillMode.PROCESS).actions[0] == \
+        Signal("stop_signal", cont=True, to="rest")
+    assert one(S.STOPPING, P.DRAINING, E.EXITED, cause=Cause.REQUEST).actions[0] == Signal("stop_signal", cont=True)
+
+
+def test_a_failed_unit_and_a_fenced_one_are_signalled_whole_whatever_the_kill_mode():
+    for mode in KillMode:
+        for ev, state in ((E.WATCHDOG_EXPIRED, S.ACTIVE), (E.LIVENESS_FAILED, S.ACTIVE), (E.NOT_READY, S.STARTING),
+                          (E.GPU_FAULT, S.ACTIVE), (E.INTERNAL_ERROR, S.ACTIVE)):
+            assert Signal("stop_signal", cont=False) in one(state, P.IDLE, ev, kill_mode=mode).actions, (mode, ev)
+        assert one(S.STOPPING, P.CAPTURING, E.CAPTURED, cause=Cause.FAILURE, kill_mode=mode).actions[0] == \
+            Signal("stop_signal", cont=False)
+        assert Signal("SIGKILL") in one(S.ACTIVE, P.IDLE, E.GROUP_FENCED, kill_mode=mode).actions
 
 
 def test_an_operator_stop_sends_the_stop_signal_with_sigcont_and_escalates_at_stop_timeout():

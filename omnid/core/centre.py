@@ -33,6 +33,7 @@ class Centre(Protocol):
     schedule: Any  # omnid.core.schedule.Schedule
     crosshost: Any  # omnid.core.crosshost.CrossHost, or None: no group spans hosts
     exits: Any  # omnid.core.exits.ExitBook (a helper's exit report: core/execprobe.py)
+    sockets: Any  # omnid.sockets.HeldSockets
 
     def feed(self, rt: UnitRuntime, event: Event, detail: str = "") -> None: ...
 

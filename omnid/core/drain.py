@@ -2,7 +2,8 @@
 unit first tells it to stop taking work, so that the requests it accepted finish while
 load balancers, seeing /health 503 "draining", send new ones elsewhere.
 
-The drain request is a POST to the unit's `drain.http` URL or the signal `drain.signal`.
+The drain request is a POST to the unit's `drain.http` URL or the signal `drain.signal`
+(to the unit's process group, or under kill_mode mixed / process to its main process only).
 The drain is over at the first of:
 - the POST answered 200 or 204 (a drain endpoint that answers once in-flight work is done);
 - the unit says so with sd_notify `STATUS=idle` (or a STATUS beginning with "idle");
@@ -22,6 +23,7 @@ import structlog
 from omnid import probes
 from omnid.core.centre import Centre
 from omnid.core.runtime import UnitRuntime
+from omnid.unitmodel import KillMode
 
 log = structlog.get_logger("omnid.supervisor")
 
@@ -60,7 +62,13 @@ class Drains:
                     return f"drain request answered {status}"
             else:
                 assert hook.sig is not None
-                if not h.signal_group(int(hook.sig), self.sup.token):
+                # kill_mode mixed / process: the main process alone drains (its engines keep
+                # working for it); control-group: the whole unit, as its stop signal would.
+                if rt.spec.kill_mode is KillMode.CONTROL_GROUP:
+                    sent = h.signal_group(int(hook.sig), self.sup.token)
+                else:
+                    sent = h.signal(int(hook.sig))
+                if not sent:
                     return "drain signal found no process"
             waits = [asyncio.ensure_future(idle.wait()), asyncio.ensure_future(h.exited.wait())]
             try:

@@ -14,6 +14,7 @@ cancelled (the child would be lost): its outcome is always fed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import time
 from collections.abc import Callable, Coroutine
@@ -30,6 +31,7 @@ from omnid.core.lifecycle import (Action, ArmTimer, Capture, CountStart, DecideR
                                   UnitState, WaitRelease, WatchGone, WatchReady)
 from omnid.core.runtime import UnitRuntime
 from omnid.process import ProcessHandle
+from omnid.sockets import BindError
 from omnid.spawnclient import SpawnError
 from omnid.tasks import unit_task
 from omnid.termination import ProcessGroupTarget, Target, Termination, terminate
@@ -41,7 +43,8 @@ S, P, E = UnitState, Phase, Event
 
 # Which event each timer feeds when it fires, and how long it runs.
 TIMER_EVENTS = {"ready_timeout": E.NOT_READY, "stop_timeout": E.STOP_TIMEOUT, "kill_timeout": E.KILL_TIMEOUT,
-                "capture_timeout": E.CAPTURED, "capture_due": E.CAPTURE_DUE, "drain_timeout": E.DRAINED}
+                "capture_timeout": E.CAPTURED, "capture_due": E.CAPTURE_DUE, "drain_timeout": E.DRAINED,
+                "leftover_timeout": E.STOP_TIMEOUT}
 EXIT_STATUS_WAIT_S = 2.0  # pidfd readable -> the spawner's exit report; then "status unknown"
 # A spawn request -> the spawner's answer, at most: the spawner's own bound from fork to exec
 # (omnid.spawner.SPAWN_EXEC_TIMEOUT_S, 10 s) and a margin. Past it the unit's spawn fails; a late
@@ -184,9 +187,20 @@ class Executor:
         if residue is not None:  # what an unkillable previous instance left in its cgroup
             log.warning("killing residue in a unit's cgroup before its start", unit=rt.name, cgroup=residue.path)
             await terminate(residue, signal.SIGKILL, spec.kill_timeout, 0.0, send_cont=False)
+        extra = groups.environment(sup, rt)
+        listen: list[int] = []
+        if spec.sockets:
+            try:  # bound before the unit's first start, held from then on (omnid.sockets)
+                listen, names = sup.sockets.fds_for(spec)
+            except BindError as exc:
+                sup.feed(rt, E.SPAWN_FAILED, str(exc))
+                return
+            extra = {**extra, "LISTEN_FDS": str(len(listen)), "LISTEN_FDNAMES": ":".join(names)}
         try:
-            env = spawning.environ(spec, sup.notify_socket, sup.token, groups.environment(sup, rt))
+            env = spawning.environ(spec, sup.notify_socket, sup.token, extra)
             prep = spawning.prepare(spec, env=env, cgroups=sup.cgroups)
+            if listen:
+                prep.request = dataclasses.replace(prep.request, listen_fds=tuple(listen))
         except spawning.CannotSpawn as exc:
             self._cgroup_done(rt)
             sup.feed(rt, E.SPAWN_FAILED, str(exc))
@@ -249,10 +263,12 @@ class Executor:
     def _signal(self, rt: UnitRuntime, a: Signal, ctx: Ctx) -> None:
         term = self._termination(rt, ctx)
         sig = rt.spec.stop_signal if a.sig == "stop_signal" else int(getattr(signal, a.sig))
-        if term.t0 and sig == signal.SIGKILL:
+        if a.to == "rest":
+            term.rest(sig, a.cont)
+        elif term.t0 and sig == signal.SIGKILL:
             term.escalate()
         else:
-            term.begin(sig, a.cont)
+            term.begin(sig, a.cont, main_only=a.to == "main")
         if self.sup.shutting_down:
             self.sup.stack_signalled = True
 
@@ -278,6 +294,8 @@ class Executor:
             delay, detail = spec.stop_timeout, ""
         elif a.which == "kill_timeout":
             delay, detail = spec.kill_timeout, ""
+        elif a.which == "leftover_timeout":  # the main process exited: its leftovers' grace
+            delay, detail = spec.leftover_timeout, f"leftovers still alive {spec.leftover_timeout:g} s after the stop signal"
         elif a.which == "capture_timeout":  # the capture bounds itself; this is the backstop
             delay, detail = capture_budget(spec) + 0.5, "capture bound reached"
         elif a.which == "capture_due":  # early enough that the capture ends by stop_timeout

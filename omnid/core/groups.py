@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import structlog
 
 from omnid.core import policy
-from omnid.core.lifecycle import Goal, Phase, UnitState
+from omnid.core.lifecycle import Cause, Goal, Phase, UnitState
 from omnid.core.runtime import UnitRuntime
 from omnid.core.centre import Centre
 
@@ -85,7 +85,12 @@ def count_start(sup: Centre, rt: UnitRuntime, now: float) -> str:
     """Count a start (a worker group's when its generation opens: once for the group) and
     return the reason the `starting` state will carry."""
     spec, book = rt.spec, rt.book
-    automatic = rt.state is S.FAILED
+    # RESTARTS counts automatic restarts only (omnid(8)): a start after the unit's own failure,
+    # or after its worker group went down with a failed member; never one an operator asked for
+    # (start, restart, reload), nor a dependent's start after its requirement came back.
+    automatic = not rt.start_requested and (rt.state is S.FAILED
+                                            or (bool(spec.worker_group) and rt.cause is Cause.GROUP))
+    rt.start_requested = False
     if spec.worker_group:
         if not book.up:
             policy.starts_in_window(book, spec, now)
@@ -98,8 +103,6 @@ def count_start(sup: Centre, rt: UnitRuntime, now: float) -> str:
             book.restart_pending = False
             log.info("worker group starting", group=spec.worker_group, generation=book.generation,
                      members=list(sup.stack.group_members(rt.name)))
-        if book.generation > 1:
-            automatic = True
     else:
         policy.starts_in_window(book, spec, now)
         book.start_times.append(now)

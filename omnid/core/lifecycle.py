@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from omnid.unitmodel import KillMode
+
 
 class UnitState(str, enum.Enum):
     INACTIVE = "inactive"
@@ -105,12 +107,15 @@ class Spawn:
 class Signal:
     sig: str  # "stop_signal" (the unit's own), "SIGKILL"
     cont: bool = False  # SIGCONT after it, so a stopped process can act on it
+    # "all": every process of the unit; "main": the main process only (kill_mode mixed /
+    # process); "rest": what is left once the main process has exited.
+    to: str = "all"
 
 
 @dataclass(frozen=True)
 class ArmTimer:
     which: str  # the event it feeds: ready_timeout -> NOT_READY, stop_timeout, kill_timeout, capture_timeout ->
-    #           CAPTURED, capture_due -> CAPTURE_DUE, drain_timeout -> DRAINED
+    #           CAPTURED, capture_due -> CAPTURE_DUE, drain_timeout -> DRAINED, leftover_timeout -> STOP_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -193,6 +198,9 @@ class View:
     drain: bool = False  # it has a drain hook
     shutting_down: bool = False  # the whole stack is stopping
     running: bool = False  # the unit holds a main process (a spawn that crashed after the child was adopted)
+    kill_mode: KillMode = KillMode.CONTROL_GROUP  # who gets stop_signal on a planned stop
+    rest_pending: bool = False  # stopping: only the main process was signalled, the rest has had nothing yet
+    leftover_grace: bool = False  # on EXITED with leftovers: they get stop_signal and leftover_timeout first
 
 
 @dataclass(frozen=True)
@@ -220,12 +228,15 @@ def _same(v: View) -> Step:
     return Step(v.state, v.phase)
 
 
-def _signalled(v: View, cause: Cause, *, cont: bool, capture: bool, first: tuple = ()) -> Step:
-    """stop_signal to everything of the unit, SIGKILL at stop_timeout; with capture on, the
-    stacks are taken shortly before stop_timeout if it is still alive then (never later)."""
+def _signalled(v: View, cause: Cause, *, cont: bool, capture: bool, first: tuple = (), whole: bool = False) -> Step:
+    """stop_signal to the unit, SIGKILL at stop_timeout; with capture on, the stacks are taken
+    shortly before stop_timeout if it is still alive then (never later). To every process of
+    it, or under kill_mode mixed / process to the main process alone (the rest when it has
+    exited: `_main_exited`); `whole`: every process whatever the mode (a failed unit)."""
     due = (ArmTimer("capture_due"),) if capture and v.capture else ()
-    return Step(S.STOPPING, P.SIGNALLED, (*first, Signal("stop_signal", cont=cont), ArmTimer("stop_timeout"), *due,
-                                         WatchGone()), cause)
+    to = "all" if whole or v.kill_mode is KillMode.CONTROL_GROUP else "main"
+    return Step(S.STOPPING, P.SIGNALLED, (*first, Signal("stop_signal", cont=cont, to=to), ArmTimer("stop_timeout"),
+                                         *due, WatchGone()), cause)
 
 
 def _stop(cause: Cause | None) -> Callable[[View], Step]:
@@ -245,6 +256,30 @@ def _drained(v: View) -> Step:
     return _signalled(v, v.cause or Cause.REQUEST, cont=True, capture=True)
 
 
+def _drained_exited(v: View) -> Step:
+    """The main process exited while draining (a server that drains, then exits): under
+    kill_mode mixed / process what it left is the rest, dealt with as on its exit mid-stop."""
+    if v.kill_mode is KillMode.CONTROL_GROUP:
+        return _drained(v)
+    cause = v.cause or Cause.REQUEST
+    if v.kill_mode is KillMode.MIXED:
+        return Step(S.STOPPING, P.KILLED, (Signal("SIGKILL", to="rest"), ArmTimer("kill_timeout"), WatchGone()), cause)
+    return Step(S.STOPPING, P.SIGNALLED, (Signal("stop_signal", cont=True, to="rest"), ArmTimer("stop_timeout"),
+                                         WatchGone()), cause)
+
+
+def _main_exited(v: View) -> Step:
+    """Stopping, signalled: the main process exited. When the stop signalled it alone (kill_mode
+    mixed / process, `rest_pending`) the rest of the unit now gets SIGKILL (mixed) or
+    stop_signal (process; SIGKILL still at the stop_timeout armed when the stop began).
+    Otherwise the group may live on, and the stop goes on as it is."""
+    if not v.rest_pending:
+        return _same(v)
+    if v.kill_mode is KillMode.MIXED:
+        return Step(S.STOPPING, P.KILLED, (Signal("SIGKILL", to="rest"), ArmTimer("kill_timeout")))
+    return Step(S.STOPPING, P.SIGNALLED, (Signal("stop_signal", cont=True, to="rest"),))
+
+
 def _drain_cut(cause: Cause) -> Callable[[View], Step]:
     """A requirement or the group went down while draining: its requests must fail fast now."""
     return lambda v: _signalled(v, cause, cont=True, capture=False)
@@ -256,16 +291,17 @@ def _hung(v: View) -> Step:
     if v.capture:
         return Step(S.STOPPING, P.CAPTURING, (RecordFailure(), Publish(), Capture(), ArmTimer("capture_timeout")),
                     Cause.FAILURE)
-    return _signalled(v, Cause.FAILURE, cont=False, capture=False, first=(RecordFailure(), Publish()))
+    return _signalled(v, Cause.FAILURE, cont=False, capture=False, first=(RecordFailure(), Publish()), whole=True)
 
 
 def _captured(v: View) -> Step:
-    return _signalled(v, Cause.FAILURE, cont=False, capture=False)
+    """A failed unit is signalled whole whatever its kill_mode: the part that hangs may be any."""
+    return _signalled(v, Cause.FAILURE, cont=False, capture=False, whole=True)
 
 
 def _broken(v: View) -> Step:
     """A faulty GPU, or a bug in a handler working for the unit: stop it, no stacks wanted."""
-    return _signalled(v, Cause.FAILURE, cont=False, capture=False, first=(RecordFailure(), Publish()))
+    return _signalled(v, Cause.FAILURE, cont=False, capture=False, first=(RecordFailure(), Publish()), whole=True)
 
 
 def _ended(v: View) -> Step:
@@ -281,7 +317,13 @@ def _ended(v: View) -> Step:
 
 def _exited(v: View) -> Step:
     """The main process exited while nobody asked: `failed` once the kernel proves the unit
-    empty; what outlived the main process is SIGKILLed first (a half-dead unit never lingers)."""
+    empty. The failure is recorded and published now (`stopping`); what outlived the main
+    process gets stop_signal + SIGCONT and leftover_timeout (a resource tracker unlinks what
+    it registered; the timer feeds STOP_TIMEOUT -> SIGKILL), or with leftover_timeout = 0 is
+    SIGKILLed at once. A half-dead unit never lingers past that bound."""
+    if v.leftovers and v.leftover_grace:
+        return Step(S.STOPPING, P.SIGNALLED, (RecordFailure(), Publish(), Signal("stop_signal", cont=True),
+                                             ArmTimer("leftover_timeout"), WatchGone()), Cause.FAILURE)
     if v.leftovers:
         return Step(S.STOPPING, P.KILLED, (RecordFailure(), Publish(), Signal("SIGKILL"), ArmTimer("kill_timeout"),
                                            WatchGone()), Cause.FAILURE)
@@ -388,7 +430,7 @@ def _rows() -> dict[tuple[UnitState, Phase, Event], Cell]:
     t[(S.STOPPING, P.CAPTURING, E.GROUP_FENCED)] = _kill_rest  # no time left for stacks
     # stopping, draining (a planned stop of a serving unit)
     t[(S.STOPPING, P.DRAINING, E.DRAINED)] = _drained
-    t[(S.STOPPING, P.DRAINING, E.EXITED)] = _drained
+    t[(S.STOPPING, P.DRAINING, E.EXITED)] = _drained_exited
     t[(S.STOPPING, P.DRAINING, E.DEPENDENCY_DOWN)] = _drain_cut(Cause.REQUIREMENT)
     t[(S.STOPPING, P.DRAINING, E.GROUP_DOWN)] = _drain_cut(Cause.GROUP)
     t[(S.STOPPING, P.DRAINING, E.GROUP_FENCED)] = _kill_rest
@@ -400,7 +442,8 @@ def _rows() -> dict[tuple[UnitState, Phase, Event], Cell]:
     t[(S.STOPPING, P.SIGNALLED, E.STOP_TIMEOUT)] = _escalate
     t[(S.STOPPING, P.SIGNALLED, E.CAPTURE_DUE)] = _capture_beside
     t[(S.STOPPING, P.SIGNALLED, E.INTERNAL_ERROR)] = _kill_after_bug
-    ignore(S.STOPPING, P.SIGNALLED, E.EXITED, *_DOWN, E.GPU_FAULT)  # EXITED: the group may live on
+    t[(S.STOPPING, P.SIGNALLED, E.EXITED)] = _main_exited  # the rest's turn (mixed / process), or nothing
+    ignore(S.STOPPING, P.SIGNALLED, *_DOWN, E.GPU_FAULT)
     t[(S.STOPPING, P.SIGNALLED, E.GROUP_FENCED)] = _escalate  # a stop under way: SIGKILL now, not at stop_timeout
     # stopping, killed: gone, or unkillable at kill_timeout
     t[(S.STOPPING, P.KILLED, E.GONE)] = _ended
@@ -480,14 +523,19 @@ def step(view: View, event: Event) -> Step:
 
 
 def _views(state: UnitState, phase: Phase) -> list[View]:
-    """Every View that can change a cell's answer, for the derived tables below."""
+    """Every View that can change a cell's answer, for the derived tables below. The kill-mode
+    flags are varied against what the cells that read them also read (cause, leftovers, gpu):
+    their full product with every other flag would make this ten times slower for nothing."""
     out = []
     for cause in (None, *Cause):
         for flags in range(16):
-            out.append(View("?", state, phase, cause=cause, leftovers=bool(flags & 1), gpu=bool(flags & 2),
-                            capture=bool(flags & 4), drain=bool(flags & 8)))
-            out.append(View("?", state, phase, cause=cause, leftovers=bool(flags & 1), gpu=bool(flags & 2),
-                            capture=bool(flags & 4), drain=bool(flags & 8), shutting_down=True))
+            kw = dict(leftovers=bool(flags & 1), gpu=bool(flags & 2), capture=bool(flags & 4), drain=bool(flags & 8))
+            out.append(View("?", state, phase, cause=cause, **kw))
+            out.append(View("?", state, phase, cause=cause, shutting_down=True, **kw))
+        for mode in KillMode:
+            for flags in range(16):
+                out.append(View("?", state, phase, cause=cause, leftovers=bool(flags & 1), gpu=bool(flags & 2),
+                                kill_mode=mode, rest_pending=bool(flags & 4), leftover_grace=bool(flags & 8)))
     return out
 
 

@@ -219,3 +219,4 @@ class Reloader:
         for name in p.removed:
             sup.executor.forget(name)
         sup.replace_stack(new, units)
+        sup.sockets.keep_only(new.units.values())  # a changed one is replaced at the unit's start

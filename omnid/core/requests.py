@@ -113,6 +113,8 @@ class OperatorRequests:
             if (rt.state is S.FAILED and not rt.busy) or book.down_reason is not None:
                 book.restart_pending = True
                 book.restart_at = 0.0
+            if rt.state in (S.INACTIVE, S.FAILED):
+                rt.start_requested = True  # its next start is this request's, not counted in RESTARTS
         back = [*targets, *(n for n in sup.order if n in self._took_down(targets))] if names else targets
         claims = self._claim(closure, "start")
         sup.kick()

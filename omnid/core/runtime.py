@@ -101,6 +101,7 @@ class UnitRuntime:
     spawn_errno: int | None = None  # the last spawn failed in exec(2) with this errno
     capture_summary: str = ""  # the last capture of its stacks before a kill, in a line
     last_exit_what: str = ""  # how the main process ended: "killed by SIGKILL (pid 12, while active)"
+    start_requested: bool = False  # an operator's start is pending: the next start is no automatic restart
 
     @property
     def name(self) -> str:
@@ -158,7 +159,8 @@ class UnitRuntime:
         out.update(name=self.name, state=self.state.value, phase=self.phase.value, goal=self.goal.value,
                    cause=self.cause.value if self.cause else None,
                    proc=None if self.proc is None else self.proc.to_json(),
-                   last_stop=None if self.last_stop is None else self.last_stop.to_json())
+                   last_stop=None if self.last_stop is None else self.last_stop.to_json(),
+                   start_requested=self.start_requested)
         return out
 
     def load_json(self, d: dict[str, Any]) -> None:
@@ -175,3 +177,4 @@ class UnitRuntime:
         self.cause = None if d["cause"] is None else Cause(d["cause"])
         self.proc = None if d["proc"] is None else ProcessHandle.from_json(self.name, d["proc"])
         self.last_stop = None if d["last_stop"] is None else StopRecord.from_json(d["last_stop"])
+        self.start_requested = bool(d.get("start_requested", False))  # absent from older programs' records

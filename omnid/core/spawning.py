@@ -27,7 +27,7 @@ log = structlog.get_logger("omnid.supervisor")
 RUNNER = str(Path(__file__).resolve().parent.parent / "runner.py")
 _PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
 # The daemon's own variables that a unit must not inherit.
-_NOT_INHERITED = ("LISTEN_FDS", "LISTEN_PID", "OMNID_CONTROL", "INVOCATION_ID")
+_NOT_INHERITED = ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "OMNID_CONTROL", "INVOCATION_ID")
 
 
 @dataclass

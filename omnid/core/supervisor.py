@@ -34,6 +34,7 @@ from omnid.core.runtime import RestartBook, UnitRuntime
 from omnid.core.schedule import Schedule
 from omnid.output import UnitOutput
 from omnid.process import ProcessHandle
+from omnid.sockets import HeldSockets
 from omnid.spawnclient import ExitReport, SpawnerClient
 from omnid.tasks import report_crash
 from omnid.units import Stack
@@ -83,6 +84,7 @@ class Supervisor:
         self.requests = OperatorRequests(self)
         self.reloader = Reloader(self)
         self.crosshost = None  # omnid.core.crosshost.CrossHost, set by the daemon with [cluster]
+        self.sockets = HeldSockets()  # units' listening sockets, held across their restarts
         self._queue: collections.deque[tuple[UnitRuntime, Event, str]] = collections.deque()
         self._feeding = False
         self._converge_pending = False
@@ -146,10 +148,13 @@ class Supervisor:
             self._feeding = False
 
     def _view(self, rt: UnitRuntime, leftovers: bool = False) -> View:
+        term = self.executor.of(rt).term if rt.state is S.STOPPING else None
         return View(rt.name, rt.state, rt.phase, rt.goal, rt.cause, leftovers=leftovers, gpu=self.gpu_on(),
                     capture=self.executor.captures is not None and getattr(rt.spec, "capture_timeout", 0) > 0,
                     drain=self.executor.drains is not None and getattr(rt.spec, "drain", None) is not None,
-                    shutting_down=self.shutting_down, running=rt.proc is not None)
+                    shutting_down=self.shutting_down, running=rt.proc is not None, kill_mode=rt.spec.kill_mode,
+                    rest_pending=term is not None and term.rest_pending,
+                    leftover_grace=rt.spec.leftover_timeout > 0)
 
     def _step(self, rt: UnitRuntime, event: Event, detail: str) -> None:
         leftovers = False
@@ -267,13 +272,17 @@ class Supervisor:
             return False, ""
         rt.death_detect_ms = (time.monotonic() - (h.exit_seen or time.monotonic())) * 1000
         target = self.executor.target(rt, h)
-        left = target.members()
+        # `empty` first: the kernel's proof, without the scan of /proc that listing the
+        # leftovers can take (0.3-0.7 s on a loaded host), which would hold the failure's
+        # report; the list is read only where the GPU check needs their pids.
+        if target.empty():
+            return False, ""
+        left = target.members() if self.gpu_on() else []
         self.executor.of(rt).dead_pids = [h.pid, *(s.pid for s in left)] if self.gpu_on() else []
-        if left:
-            return True, f"; killing {len(left)} leftover process(es)"
-        if not target.empty():
-            return True, "; waiting until its process group is empty"
-        return False, ""
+        if rt.spec.leftover_timeout > 0:
+            return True, (f"; what outlived it gets {linux.signal_name(rt.spec.stop_signal)}, "
+                          f"SIGKILL after {rt.spec.leftover_timeout:g} s")
+        return True, "; killing what outlived it"
 
     def on_spawner_gone(self) -> None:
         """Every unit died with the spawner (PDEATHSIG); realign state with that."""

@@ -1,7 +1,10 @@
 """Reference serve (units/demo/serve.toml): the HTTP front of the demo stack.
 
-Run as ``python -m omnid.demo.serve``. aiohttp on ``OMNID_DEMO_SERVE_HOST``:
-``OMNID_DEMO_SERVE_PORT`` (127.0.0.1:8000):
+Run as ``python -m omnid.demo.serve``. aiohttp on the listening sockets omnid holds for
+it (the unit's ``sockets``, passed as systemd does: ``LISTEN_FDS`` from fd 3, for this
+process when ``LISTEN_PID`` is its pid), else on ``OMNID_DEMO_SERVE_HOST``:
+``OMNID_DEMO_SERVE_PORT`` (127.0.0.1:8000), bound here. On a held socket a restart
+refuses no connection: they wait in its backlog for the next process.
 
 - ``POST /v1/generate`` ``{"prompt": str, "max_ms"?: int}`` -> 200
   ``{"text", "worker", "ms"}``, or a 4xx/5xx ``{"error": {"code", "message"}}``;
@@ -22,7 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -302,6 +307,31 @@ class ServeApp:
                                  status=200 if ok else 503)
 
 
+def held_sockets() -> list[socket.socket]:
+    """The listening sockets omnid (or systemd) holds for this process: fds 3.. as
+    LISTEN_FDS says, only when LISTEN_PID is this process (a child that inherited the
+    environment is not meant). [] when none were given: the serve binds its own port."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()):
+        return []
+    try:
+        n = int(os.environ.get("LISTEN_FDS", "0"))
+    except ValueError:
+        return []
+    out = []
+    for fd in range(3, 3 + max(0, min(n, 64))):
+        s = socket.socket(fileno=fd)
+        if s.type == socket.SOCK_STREAM:
+            out.append(s)
+        else:
+            s.detach()  # not ours to serve on (a stored fd of another kind)
+    return out
+
+
+# asyncio's create_server(sock=...) calls listen() again: ask for no less than omnid's default.
+HELD_BACKLOG = 1024
+STOP_SETTLE_S = 0.5  # at a stop signal: longest wait for accepted connections to be answered (503)
+
+
 async def serve_forever(config: ServeConfig) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -327,30 +357,57 @@ async def serve_forever(config: ServeConfig) -> int:
     # shutdown_timeout bounds the wait for handlers after the listener closes; by then they are answered.
     runner = web.AppRunner(serve.app, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    held = held_sockets()
+    sites: list[web.BaseSite] = [web.SockSite(runner, s, backlog=HELD_BACKLOG) for s in held] or \
+        [web.TCPSite(runner, config.host, config.port)]
+    where = ", ".join(_name(s) for s in held) + " (held by omnid)" if held else f"{config.host}:{config.port}"
     try:
-        await site.start()
+        for site in sites:
+            await site.start()
     except OSError as exc:
-        log.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
+        log.error("cannot listen on %s: %s", where, exc)
         await runner.cleanup()
         await engine.close()
         return 1
+
+    async def stop_accepting(settle_s: float = 0.0) -> None:
+        for site in sites:
+            await site.stop()
+        sites.clear()
+        # asyncio accepts a whole backlog's worth at once: connections taken but not read yet
+        # are answered before the process goes, not reset (on a held socket the rest of the
+        # backlog waits for the next process).
+        # A batch accepted in the loop's last turn becomes connections only once its tasks run.
+        deadline = loop.time() + settle_s
+        if settle_s:
+            await asyncio.sleep(min(settle_s, 0.05))
+        while runner.server is not None and runner.server.connections and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+
     notifier = Notifier.from_env()  # only used when the unit says ready = "notify"
-    notifier.ready(status=f"listening on http://{config.host}:{config.port}")
-    log.info("%s listening on http://%s:%d, engine %s", config.unit, config.host, config.port, config.engine)
+    notifier.ready(status=f"listening on {where}")
+    log.info("%s listening on %s, engine %s", config.unit, where, config.engine)
 
     await stop.wait()
     why = received[0] if received else "stop"
     serve.stopping = why
     started = time.monotonic()
     notifier.stopping()
-    await site.stop()  # stop accepting first, so no new request slips in behind the failures
+    await stop_accepting()  # first, so no new request slips in behind the failures
     engine.fail_all("serve_stopping", f"{config.unit} stopping ({why})")
+    await stop_accepting(settle_s=STOP_SETTLE_S)  # what was accepted is answered (503), not reset
     await runner.cleanup()
     await engine.close()
     notifier.close()
     log.info("stopped on %s in %.3f s", why, time.monotonic() - started)
     return 1 if crashed else 0
+
+
+def _name(s: socket.socket) -> str:
+    addr = s.getsockname()
+    if not isinstance(addr, tuple):
+        return f"unix:{addr}"
+    return f"http://[{addr[0]}]:{addr[1]}" if ":" in addr[0] else f"http://{addr[0]}:{addr[1]}"
 
 
 def main() -> None:

@@ -389,7 +389,7 @@ def _example_on_cpu(py, model, port: int, rpc: int) -> dict[str, str]:
     out = {}
     for name in ("serve", "engine"):
         text = (Path(__file__).resolve().parent.parent / "units" / "examples" / "vllm" / f"{name}.toml").read_text()
-        both = [(' "vllm", "serve", "Qwen/Qwen3-8B",', f' "{vllm_bin}", "serve", "{model}", "--enforce-eager",'),
+        both = [(' "vllm", "serve", "Qwen/Qwen3-8B",', f' "{vllm_bin}", "serve", "{model}", "--served-model-name", "tiny", "--enforce-eager",'),
                 ("8000", str(port)), ("13345", str(rpc)),
                 ('"--data-parallel-size", "2"', '"--data-parallel-size", "1"'),
                 # This VM's hard limits (memlock 8 MiB, nofile 20000) cannot be raised: a CPU

@@ -63,7 +63,10 @@ def unit_toml(python: Path | str, model: Path | str, port: int, *, stall_sec: in
             # On CPU the fraction is of RAM; the KV cache is VLLM_CPU_KVCACHE_SPACE GiB.
             "--gpu-memory-utilization", "0.1", "--max-model-len", "512",
             # No torch.compile warm-up: a restart is import + load (~30 s), not + compile (~60 s).
-            "--enforce-eager"]
+            "--enforce-eager",
+            # On SIGTERM, finish the requests in flight for up to this long (vLLM's default, 0,
+            # aborts them with a 500 at once): kill_mode = "mixed" then lets the drain happen.
+            "--shutdown-timeout", "30"]
     lines = [
         'description = "vLLM CPU build, tiny local model (tests/engines)"',
         'role = "serve"',

@@ -598,7 +598,8 @@ def _rel_path(path: str) -> str:
 
 def _signal_members(path: str, rel: str, sig: int) -> None:
     """`sig` to every process of the cgroup (and below): each through a pidfd, and only if
-    it is still in the cgroup once the pidfd pins it (then it is the one listed)."""
+    it is still in the cgroup once its pidfd is open and has not exited after that read
+    (linux.pidfd_if: then the read was about the process behind the fd)."""
     for pid in tree_procs(path):
         fd = linux.pidfd_if(pid, lambda p=pid: _in_cgroup(p, path, rel))
         if fd is not None:

@@ -152,7 +152,7 @@ class ControlServer:
                 msg = await self.pub.recv()
             except asyncio.CancelledError:
                 raise
-            except zmq.ZMQError as exc:
+            except self._zmq_error as exc:  # zmq itself is imported for type checking only
                 log.warning("event socket receive failed", error=str(exc))
                 await asyncio.sleep(0.1)
                 continue

@@ -29,6 +29,7 @@ from omnid.control import ControlError, ControlServer, prepare_socket_dir
 from omnid.core import takeover as takeover_mod
 from omnid.core.faults import ENV as FAULTS_ENV
 from omnid.core.faults import Faults
+from omnid.core.cleanup import UnitCleanup
 from omnid.core.lifecycle import Phase
 from omnid.core.supervisor import Supervisor
 from omnid.metrics import DaemonMetrics
@@ -115,6 +116,7 @@ class Daemon:
         self.log_file: str | None = None
         self.reexec: asyncio.Task | None = None  # a re-exec being prepared
         self.handover_error: str | None = None  # why the last re-exec's handover could not be used
+        self.cleanup: UnitCleanup | None = None  # private tmp directories and IPC residue
         self.captures: CaptureStore | None = None  # hang forensics (omnid dump), with the handlers
         self.cluster = None  # omnid.cluster.session.ClusterSession with [cluster]
         self._failed_watch: asyncio.Task | None = None
@@ -213,6 +215,12 @@ class Daemon:
             log.error("TEST FAULT INJECTION IS ON: an action will raise", point=faults.point, unit=faults.unit,
                       env=FAULTS_ENV)
             self.sup.executor.faults = faults
+        # Private tmp and IPC residue (a thread: the fanotify listener, after the spawner's exec).
+        self.cleanup = UnitCleanup(self.token, self.cfg.state_dir)
+        self.sup.executor.cleanup = self.cleanup
+        self.cleanup.start()
+        if takeover is not None:
+            self.cleanup.take_over(takeover.get("cleanup"))
         if takeover is not None:
             self._load_handlers()  # units in the middle of a stop may capture at once
             takeover_mod.take_over(self.sup, takeover["supervisor"])
@@ -230,6 +238,7 @@ class Daemon:
                     await asyncio.sleep(0)
             else:
                 takeover_mod.resume(self.sup)
+            report_crash(loop.create_task(self.cleanup.sweep_previous()), "private tmp sweep")
         self._load_handlers()
         if self.gpu is None:
             from omnid import gpu as gpu_mod
@@ -337,6 +346,8 @@ class Daemon:
                 pass
         t0 = time.monotonic()
         recs = await self._stop_units_bounded()
+        if self.cleanup is not None:  # removals of failed units' leftovers still under way
+            await self.cleanup.settle()
         await clusterwiring.close_cluster(self)
         self.shutdown_result.set_result(recs)
         left = [p for p in linux.children_of(self.spawner.pid)
@@ -359,6 +370,8 @@ class Daemon:
         self.notify.close()
         self.sup.sockets.close_all()  # every unit is stopped: their sockets (and socket files) go
         await self.spawner.shutdown()
+        if self.cleanup is not None:
+            self.cleanup.close()
         self.state.remove()
         self.service.status(f"stopped (exit {self.exit_code})")
         self.service.close()

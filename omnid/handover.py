@@ -49,6 +49,7 @@ log = structlog.get_logger("omnid.handover")
 FORMAT = 1  # the handover's own version: a new program refuses a format it does not know
 MAX_BYTES = 1 << 30  # what the new program reads at most
 CHECK_TIMEOUT_S = 15.0  # the new program's `--version` must answer by then
+MAX_CHECK_OUTPUT = 1 << 16  # of what it prints, kept for the answer (the rest is read and dropped)
 QUIESCE_TIMEOUT_S = 10.0  # spawns and stops under way must end by then, or the re-exec is refused
 JOIN_WAIT_S = 3.0  # (within it) joins of groups across hosts under way get this long to finish
 FAULT_ENV = "OMNID_FAULT_HANDOVER"  # test hook (omnid(8)): "corrupt" writes an unreadable handover
@@ -91,34 +92,65 @@ async def check_new_program(timeout: float = CHECK_TIMEOUT_S) -> ProgramCheck:
         raise HandoverError(f"cannot run {' '.join(argv)}: {exc}") from None
     os.close(w)
     pidfd = os.pidfd_open(pid)
-    out = b""
+    # Its output is read as it comes (a program that prints more than a pipe holds would
+    # otherwise block in write and never exit), and nothing here blocks the loop: not the
+    # wait for its exit (its pidfd), not the reap after a SIGKILL (done when the pidfd says so).
+    loop = asyncio.get_running_loop()
+    chunks: list[bytes] = []
+    kept = 0
+
+    def drain() -> None:
+        nonlocal kept
+        for _ in range(64):  # at most 4 MiB a turn: a writer that never stops cannot hold the loop
+            try:
+                b = os.read(r, 65536)
+            except (BlockingIOError, InterruptedError):
+                return
+            if not b:
+                loop.remove_reader(r)
+                return
+            if kept < MAX_CHECK_OUTPUT:
+                chunks.append(b[:MAX_CHECK_OUTPUT - kept])
+                kept += len(chunks[-1])
+
+    def reap_later(fd: int) -> None:
+        loop.remove_reader(fd)
+        try:
+            os.waitpid(pid, os.WNOHANG)  # our own child, by its pid; it has exited
+        except ChildProcessError:
+            pass
+        os.close(fd)
+
+    os.set_blocking(r, False)
+    done = loop.create_future()
+    loop.add_reader(r, drain)
+    loop.add_reader(pidfd, lambda: done.done() or done.set_result(None))
     try:
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        loop.add_reader(pidfd, lambda: done.done() or done.set_result(None))
         try:
             await asyncio.wait_for(done, timeout)
         except asyncio.TimeoutError:
-            linux.pidfd_send_signal(pidfd, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise HandoverError(f"{' '.join(argv)} did not answer within {timeout:g} s; nothing changed") from None
-        finally:
             loop.remove_reader(pidfd)
-        _pid, status = os.waitpid(pid, 0)  # our own child, by its pid
-        os.set_blocking(r, False)
-        try:
-            out = os.read(r, 65536)
-        except BlockingIOError:
-            pass
+            linux.pidfd_send_signal(pidfd, signal.SIGKILL)
+            loop.add_reader(pidfd, reap_later, pidfd)
+            pidfd = -1  # reap_later closes it
+            raise HandoverError(f"{' '.join(argv)} did not answer within {timeout:g} s; nothing changed") from None
+        drain()
+        reaped, status = os.waitpid(pid, os.WNOHANG)  # the pidfd said it exited: at once
+        if reaped == 0:  # cannot be: exited means waitable
+            status = 0xFF00
     finally:
-        os.close(pidfd)
+        loop.remove_reader(r)
+        if pidfd >= 0:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
         os.close(r)
+    out = b"".join(chunks)
     text = out.decode(errors="replace").strip()
     code, sig, what = linux.describe_wait_status(status)
     if code != 0 or not text.startswith("omnid "):
         raise HandoverError(f"the new program does not start ({' '.join(argv)}: {what}; it printed: "
                             f"{text[-500:] or 'nothing'}); nothing changed")
-    return ProgramCheck(tuple(argv), text.split(" ", 1)[1])
+    return ProgramCheck(tuple(argv), text.splitlines()[0].split(" ", 1)[1])
 
 
 # ------------------------------------------------------------------ the record
@@ -233,6 +265,7 @@ def record(daemon: Any, check: ProgramCheck) -> tuple[dict[str, Any], list[int]]
         "settled": daemon.settled.is_set(),
         "supervisor": takeover_mod.handover(sup),
         "metrics": daemon.metrics.handover(),
+        "cleanup": daemon.cleanup.handover() if daemon.cleanup is not None else None,
     }
     fds = [rec["spawner"]["pidfd"], rec["spawner"]["sock"], rec["notify"]["fd"], daemon.health_fd, daemon.lock_fd]
     if sup.crosshost is not None:  # [cluster]: the same lease, groups and heartbeat socket

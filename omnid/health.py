@@ -66,10 +66,45 @@ def unit_reason(u: Unit, degraded: dict[str, str]) -> str:
     return u.reason
 
 
-def group_usage(u: Unit) -> tuple[int, float, int]:
-    """(RSS bytes, CPU seconds, processes) over the unit's process tree."""
-    use = tree_usage(u.proc.pid if u.proc else None)
-    return (use.rss, use.cpu_s, use.processes) if use else (0, 0.0, 0)
+USAGE_INTERVAL_S = 1.0  # /metrics' process figures are at most this old (plus one walk)
+USAGE_WAIT_S = 2.0  # a scrape waits this long for a walk under way, then serves the last figures
+
+
+def _walk(pids: dict[str, int | None]) -> dict[str, tuple[int, float, int]]:
+    out = {}
+    for name, pid in pids.items():
+        use = tree_usage(pid)
+        out[name] = (use.rss, use.cpu_s, use.processes) if use else (0, 0.0, 0)
+    return out
+
+
+class UsageCache:
+    """The units' process figures for /metrics, walked in a thread (never on the loop that
+    sees deaths) at most once per USAGE_INTERVAL_S, one walk at a time whatever the number of
+    scrapers: a scrape flood costs the loop the rendering of a page, nothing more."""
+
+    def __init__(self) -> None:
+        self.figures: dict[str, tuple[int, float, int]] = {}
+        self.at = -USAGE_INTERVAL_S
+        self.walks = 0
+        self._walk: asyncio.Future | None = None
+
+    async def get(self, units: list[Unit]) -> dict[str, tuple[int, float, int]]:
+        if self._walk is None and time.monotonic() - self.at >= USAGE_INTERVAL_S:
+            pids = {u.name: u.proc.pid if u.proc else None for u in units}
+            self._walk = asyncio.ensure_future(asyncio.to_thread(_walk, pids))
+            self.walks += 1
+        walk = self._walk
+        if walk is not None:
+            await asyncio.wait([walk], timeout=USAGE_WAIT_S)
+            if walk.done() and walk is self._walk:
+                self._walk = None
+                self.at = time.monotonic()
+                if walk.exception() is not None:
+                    log.error("process figures not read", error=repr(walk.exception()))
+                else:
+                    self.figures = walk.result()
+        return {u.name: self.figures.get(u.name, (0, 0.0, 0)) for u in units}
 
 
 MAX_CONNECTIONS = 256  # open health connections; more are closed at accept (man omnid(8) SECURITY)
@@ -202,6 +237,7 @@ class HealthServer:
         self.app.router.add_get("/metrics", self.metrics)
         self.runner: web.AppRunner | None = None
         self.connections = _ConnectionGuard(MAX_CONNECTIONS)
+        self.usage = UsageCache()
 
     async def start(self, sock: socket.socket | None = None) -> None:
         """Serve on `sock` (already bound and listening) or bind HOST:PORT now."""
@@ -346,7 +382,7 @@ class HealthServer:
             if u.output is not None:
                 lines.append(f"omnid_unit_log_lines_truncated_total{lbl(unit=u.name)} {u.output.lines_truncated}")
         metric("omnid_unit_rss_bytes", "gauge", "resident memory of the unit's processes")
-        usage = {u.name: group_usage(u) for u in units}
+        usage = await self.usage.get(units)  # from a thread, at most once per USAGE_INTERVAL_S
         for name, (rss, _cpu, _n) in usage.items():
             lines.append(f"omnid_unit_rss_bytes{lbl(unit=name)} {rss}")
         metric("omnid_unit_cpu_seconds_total", "counter", "CPU time of the unit's live processes")

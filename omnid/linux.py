@@ -76,13 +76,19 @@ def set_mempolicy(mode: int, mask: ctypes.Array, maxnode: int, many_fallback: bo
 def recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int]]:
     """One datagram and the fds that came with it, received close-on-exec (socket.recv_fds
     leaves them inheritable: a fork before they are handed on would leak them to a unit)."""
+    return recvmsg_fds(sock, bufsize, maxfds)[:2]
+
+
+def recvmsg_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int], int]:
+    """recv_fds and the flags recvmsg returned: MSG_CTRUNC says some fds were lost (the
+    receiver's fd table was full, or more came than `maxfds`), MSG_TRUNC that the data was cut."""
     fds = array.array("i")
-    data, anc, _flags, _addr = sock.recvmsg(bufsize, socket.CMSG_LEN(maxfds * fds.itemsize),
-                                            socket.MSG_CMSG_CLOEXEC)
+    data, anc, flags, _addr = sock.recvmsg(bufsize, socket.CMSG_LEN(maxfds * fds.itemsize),
+                                           socket.MSG_CMSG_CLOEXEC)
     for level, kind, cdata in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(cdata[: len(cdata) - (len(cdata) % fds.itemsize)])
-    return data, list(fds)
+    return data, list(fds), flags
 
 
 def pidfd_open(pid: int) -> int:
@@ -100,6 +106,32 @@ def fd_readable(fd: int, timeout: float = 0.0) -> bool:
 def pidfd_exited(pidfd: int) -> bool:
     """Whether the process behind `pidfd` has exited (its pidfd polls readable)."""
     return fd_readable(pidfd)
+
+
+async def any_readable(fds: list[int], timeout: float) -> bool:
+    """Wait on the event loop until one of `fds` (pidfds: readable once their process exited)
+    turns readable, at most `timeout` seconds: True if one did. The fds must not be watched
+    by the loop already (add_reader would replace that watch)."""
+    import asyncio
+
+    if timeout <= 0:
+        return bool(fds) and bool(select.select(fds, [], [], 0)[0])
+    loop = asyncio.get_running_loop()
+    woke = loop.create_future()
+
+    def wake() -> None:
+        if not woke.done():
+            woke.set_result(True)
+
+    for fd in fds:
+        loop.add_reader(fd, wake)
+    try:
+        done, _ = await asyncio.wait([woke], timeout=timeout)
+        return bool(done)
+    finally:
+        for fd in fds:
+            loop.remove_reader(fd)
+        woke.cancel()
 
 
 # ioctl(PIDFD_GET_INFO) (Linux 6.13): _IOWR(0xFF, 11, struct pidfd_info) at its first size, 64
@@ -130,17 +162,20 @@ def pidfd_exit_status(pidfd: int) -> int | None:
 
 
 def pidfd_if(pid: int, proof: Callable[[], bool]) -> int | None:
-    """A pidfd for `pid` if `proof()` holds once it is open, else None. The pidfd pins the
-    process (its pid cannot be recycled while the fd is held), so a proof read from /proc
-    after the open is about this very process; signals through the fd can never reach a
-    stranger. The one way omnid turns a pid it read somewhere into something it signals.
+    """A pidfd for `pid` if `proof()` holds once it is open and the process is still running
+    after it, else None. A pidfd does not pin a pid number: once the process exits and is
+    reaped, the number can name a stranger while the fd is still open (signals through the fd
+    then fail with ESRCH, so they never reach the stranger). A proof read from /proc is about
+    the process behind the fd only if that process had not exited when the read was over:
+    its pid cannot be reused before it exits. So the fd is checked after the proof, never
+    before. The one way omnid turns a pid it read somewhere into something it signals.
     The caller closes the fd."""
     try:
         fd = os.pidfd_open(pid)
     except OSError:  # ProcessLookupError: gone already; EMFILE and friends: cannot hold it
         return None
     try:
-        ok = proof()
+        ok = proof() and not pidfd_exited(fd)
     except Exception:
         os.close(fd)
         raise
@@ -207,6 +242,19 @@ class ProcStat(NamedTuple):
     start_time: int  # clock ticks since boot; with pid it names a process uniquely
 
 
+def read_stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of /proc/PID/stat after "(comm)" (fields[0] is the state), or None."""
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            raw = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return raw[raw.rindex(b")") + 2 :].split() if raw else None
+
+
 def read_stat(pid: int) -> ProcStat | None:
     try:
         # os-level I/O: no file object, on the spawner's path for every child.
@@ -267,6 +315,29 @@ def children_of(pid: int) -> list[int]:
                 out.extend(int(x) for x in f.read().split())
         except (FileNotFoundError, ProcessLookupError):
             continue
+    return out
+
+
+def descendants(root: int, skip: frozenset[int] = frozenset()) -> list[ProcStat]:
+    """Every descendant of `root` (zombies included), from /proc/PID/task/*/children, but the
+    subtrees of `skip` (the units' live main processes: what is below one is in its session,
+    and no other unit's group can be): the cost is the orphans' number, whatever else the
+    host or the stack runs. With `root` gone (the spawner died: what it left was re-parented
+    elsewhere), every process on the host."""
+    if not os.path.isdir(f"/proc/{root}/task"):
+        return scan()
+    out: list[ProcStat] = []
+    seen: set[int] = set(skip)
+    stack = children_of(root)
+    while stack:
+        pid = stack.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        st = read_stat(pid)
+        if st is not None:
+            out.append(st)
+            stack.extend(children_of(pid))
     return out
 
 

@@ -10,6 +10,7 @@ it: every fd passed with SCM_RIGHTS is closed as soon as it arrives.
 from __future__ import annotations
 
 import array
+import hashlib
 import asyncio
 import os
 import socket
@@ -61,7 +62,10 @@ class NotifyServer:
 
     def __init__(self, token: str, on_message: Callable[[int, dict[str, str]], object],
                  attribute: Callable[[int], str | None] | None = None, fd: int | None = None) -> None:
-        self.address = f"@omnid/{token}/notify"  # what units get in NOTIFY_SOCKET
+        # What units get in NOTIFY_SOCKET. An abstract name is listed to every user in
+        # /proc/net/unix: it is derived from the token one way, never the token itself (the
+        # token proves a process ours at takeover; nobody but root and the unit's user may read it).
+        self.address = f"@omnid/{hashlib.sha256(b'omnid notify ' + token.encode()).hexdigest()[:24]}/notify"
         self._on_message = on_message
         self._attribute = attribute
         self._buckets: dict[str, _Bucket] = {}
@@ -72,6 +76,9 @@ class NotifyServer:
         if fd is not None:  # the socket a previous program of this daemon bound (omnid reexec)
             os.set_inheritable(fd, False)
             self.sock = socket.socket(fileno=fd)
+            name = self.sock.getsockname()  # the name it was bound to, whatever program chose it
+            if isinstance(name, bytes) and name[:1] == b"\0":
+                self.address = "@" + name[1:].decode(errors="replace")
         else:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)

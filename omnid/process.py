@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from omnid import linux
@@ -25,29 +25,38 @@ class TreeUsage:
 
 
 def tree_usage(pid: int | None) -> TreeUsage | None:
-    """Resources of a unit's main process and its descendants (psutil), or None when it is
-    not running: for /metrics in the daemon and for `omnid status` on the same host."""
+    """Resources of a unit's main process and its descendants, or None when it is not
+    running: for /metrics in the daemon and for `omnid status` on the same host. The tree is
+    walked down from the main process through /proc/PID/task/*/children, one stat read per
+    process: the cost is the unit's own size, whatever else the host runs (psutil's
+    children(recursive=True) reads every process on the host, per call)."""
     if not pid:
         return None
-    import psutil
-
-    try:
-        main = psutil.Process(pid)
-        procs = [main, *main.children(recursive=True)]
-    except psutil.Error:
-        return None
-    rss, cpu, n, threads = 0, 0.0, 0, 0
-    for p in procs:
-        try:
-            with p.oneshot():
-                rss += p.memory_info().rss
-                t = p.cpu_times()
-                cpu += t.user + t.system
-                threads += p.num_threads()
-                n += 1
-        except psutil.Error:
+    rss, ticks, n, threads = 0, 0, 0, 0
+    seen: set[int] = set()
+    stack = [pid]
+    while stack:
+        p = stack.pop()
+        if p in seen:
             continue
-    return TreeUsage(rss, cpu, n, threads)
+        seen.add(p)
+        fields = linux.read_stat_fields(p)
+        if fields is None:
+            if p == pid:
+                return None
+            continue
+        # After "(comm)": state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt
+        # utime(11) stime(12) cutime cstime priority nice num_threads(17) itrealvalue
+        # starttime vsize rss(21, pages).
+        ticks += int(fields[11]) + int(fields[12])
+        threads += int(fields[17])
+        rss += int(fields[21]) * PAGE_SIZE
+        n += 1
+        stack.extend(linux.children_of(p))
+    return TreeUsage(rss, ticks / linux.CLK_TCK, n, threads)
+
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 # The tag every unit process carries (and inherits to its descendants).
 UNIT_TAG = "OMNID_UNIT"
@@ -117,7 +126,8 @@ class ProcessHandle:
         st = linux.read_stat(self.pid)
         return st is not None and st.state == "Z" and st.start_time == self.start_time
 
-    def signal_group(self, sig: int, token: str | None = None) -> bool:
+    def signal_group(self, sig: int, token: str | None = None,
+                     procs: Callable[[], list[linux.ProcStat]] | None = None) -> bool:
         """Signal the unit's whole process group (recorded at spawn: getpgid fails once
         the leader is gone) -- by number only while the leader's pidfd proves the group
         is still ours. After the leader died, a bare pgid may name someone else's group
@@ -130,7 +140,7 @@ class ProcessHandle:
             except ProcessLookupError:
                 return False
         hit = self.signal(sig)
-        members = tagged_group_members(self.unit, self.pgid, token)
+        members = tagged_group_members(self.unit, self.pgid, token, procs)
         kill_survivors(members, sig)
         return hit or bool(members)
 
@@ -176,13 +186,16 @@ def _tagged(pid: int, unit: str, daemon_token: str | None) -> bool:
     return daemon_token is None or linux.read_environ_var(pid, DAEMON_TAG) in (daemon_token, None)
 
 
-def tagged_group_members(unit: str, pgid: int, daemon_token: str | None = None) -> list[Survivor]:
+def tagged_group_members(unit: str, pgid: int, daemon_token: str | None = None,
+                         procs: Callable[[], list[linux.ProcStat]] | None = None) -> list[Survivor]:
     """Live members of process group / session `pgid` that carry `unit`'s tag: what may
-    be signalled once the leader is gone and the number alone proves nothing."""
+    be signalled once the leader is gone and the number alone proves nothing. `procs`:
+    where to look (default: every process on the host; a unit's target passes the
+    spawner's descendants, where every member of a unit's group is)."""
     if not group_alive(pgid):
         return []
     out = []
-    for p in linux.scan():
+    for p in (procs or linux.scan)():
         if (p.pgid == pgid or p.sid == pgid) and p.state not in ("Z", "X") and _tagged(p.pid, unit, daemon_token):
             out.append(Survivor(p.pid, p.comm, p.state, linux.wchan(p.pid), f"process group {pgid}", p.start_time))
     return out
@@ -212,7 +225,10 @@ def find_residue(unit: str, pgid: int, spawner_pid: int, daemon_token: str | Non
         out.append(Survivor(p.pid, p.comm, p.state, linux.wchan(p.pid), why, p.start_time))
 
     if members and group_alive(pgid):
-        for p in linux.scan():
+        # Every member of a unit's group or session descends from the spawner (its subreaper),
+        # and none from another unit's main process (another session): walk that, not /proc.
+        skip = frozenset(m for m in mains if m != pgid)
+        for p in (linux.descendants(spawner_pid, skip) if spawner_pid > 0 else linux.scan()):
             if not group_ours and (p.pgid == pgid or p.sid == pgid) and not _tagged(p.pid, unit, daemon_token):
                 continue
             if p.pgid == pgid:

@@ -304,6 +304,10 @@ def print_unit_detail(u: dict, lines: list[dict], *, colour: bool | None = None)
     print(f"  Restarts: {u['restarts']} automatic" + (" (gave up)" if u.get("gave_up") else ""))
     if u.get("last_exit"):
         print(f" Last exit: {u['last_exit']}")
+    if u.get("private_tmp"):
+        print(f"    TMPDIR: {u['private_tmp']}")
+    if u.get("ipc_removed"):
+        print(f"  IPC gone: {len(u['ipc_removed'])} removed when it was last gone: {'; '.join(u['ipc_removed'])}")
     if u.get("reason"):
         print(f"    Reason: {u['reason']}")
     if u.get("log"):
@@ -384,6 +388,9 @@ def print_summary(summary: list[dict]) -> None:
                 sent += f", rest {r['rest']}{after}"
         elif r.get("rest"):  # the main process exited by itself (a drain), then the rest
             sent = f"rest {r['rest']}"
+        if r.get("ipc_removed"):
+            residue = (("" if residue == "none" else residue + "; ") + f"IPC: {len(r['ipc_removed'])} removed: "
+                       + "; ".join(r["ipc_removed"]))
         rows.append((r["unit"], sent, secs, "SIGKILL" if r["escalated"] else "no", gpu, residue))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     for row in rows:

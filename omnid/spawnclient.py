@@ -207,6 +207,7 @@ class SpawnerClient:
         self.exec_path: str | None = None
         self._closed = False
         self._queue: list[_Queued] = []  # spawns of this turn of the loop, not sent yet
+        self._kills: list[int] = []  # children no unit owns, to be killed by the spawner, not asked yet
         self._flush_scheduled = False
         self._writer = False  # waiting for room in the socket buffer
         self._hello_timer: asyncio.TimerHandle | None = None
@@ -357,11 +358,11 @@ class SpawnerClient:
                     self._hello_timer.cancel()
 
     def _kill_unowned(self, pid: int) -> None:
-        try:
-            assert self.sock is not None
-            self.sock.send(json.dumps({"op": "kill", "pid": pid}).encode())
-        except OSError as exc:
-            log.error("cannot ask the spawner to kill an unowned child", pid=pid, error=str(exc))
+        """Ask the spawner to kill a child no unit owns. The socket is non-blocking: on a full
+        buffer the request waits in `_kills` (sent first by _flush, when there is room), never
+        dropped -- else the child would run with no pidfd and no unit."""
+        self._kills.append(pid)
+        self._flush()
 
     async def spawn(self, req: SpawnRequest, out_w: int, err_w: int | None = None) -> Spawned:
         """Spawn one unit process; out_w becomes its stdout, err_w its stderr (out_w when None).
@@ -403,6 +404,18 @@ class SpawnerClient:
         for room (add_writer) and goes out in order."""
         self._flush_scheduled = False
         loop = asyncio.get_running_loop()
+        while self._kills and self.sock is not None and not self._closed:
+            try:
+                self.sock.send(json.dumps({"op": "kill", "pid": self._kills[0]}).encode())
+            except BlockingIOError:
+                if not self._writer:
+                    self._writer = True
+                    loop.add_writer(self.sock.fileno(), self._flush)
+                return  # the kill and the spawns after it wait for room, in order
+            except OSError as exc:
+                # The spawner is gone: its children die with it (PDEATHSIG).
+                log.error("cannot ask the spawner to kill an unowned child", pid=self._kills[0], error=str(exc))
+            del self._kills[0]
         if self._queue and self.sock is not None and not self._closed:
             for data, fds, taken in batch_datagrams(self._queue):
                 try:

@@ -75,6 +75,8 @@ except ImportError:  # not compiled on this host: the Python path
 MAX_MESSAGE = 1 << 20
 MAX_FDS = 250  # per datagram; the kernel's SCM_MAX_FD is 253
 MAX_BATCH_BYTES = 1 << 19  # flush an answer datagram beyond this
+RECV_RETRY_S = 0.01  # after a transient receive error (ENOBUFS, ENOMEM), before the next poll
+GONE_ERRNOS = (errno.ECONNRESET, errno.ENOTCONN, errno.EPIPE, errno.EBADF)  # the daemon's end is closed
 CLEANUP_DEADLINE_S = 3.0
 
 
@@ -638,9 +640,18 @@ class Spawner:
     # -- life -----------------------------------------------------------------
     def handle_request(self) -> None:
         try:
-            data, fds = linux.recv_fds(self.sock, MAX_MESSAGE, MAX_FDS + 3)
-        except (ConnectionResetError, OSError):
-            data, fds = b"", []
+            data, fds, flags = linux.recvmsg_fds(self.sock, MAX_MESSAGE, MAX_FDS + 3)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            if exc.errno in GONE_ERRNOS:
+                self.stopping = True  # the daemon's end is closed
+                return
+            # ENOBUFS, ENOMEM: the kernel is short of memory for a moment, and the daemon is
+            # still there. Stopping would SIGKILL every unit; the request stays queued.
+            print(f"omnid spawner: receiving a request failed ({exc}); trying again", file=sys.stderr, flush=True)
+            time.sleep(RECV_RETRY_S)
+            return
         if not data:
             self.stopping = True  # the daemon closed its end or died
             return
@@ -651,6 +662,17 @@ class Spawner:
                 os.close(fd)
             return
         op = req.get("op") if isinstance(req, dict) else None
+        if flags & socket.MSG_CTRUNC and op == "spawn":
+            # Some of the request's fds (the units' output pipes) were lost on the way (our fd
+            # table was full): answer each of its spawns as failed, never run one half-wired.
+            for fd in fds:
+                os.close(fd)
+            for item in (req.get("batch") or ()) if "batch" in req else (req,):
+                if isinstance(item, dict) and "id" in item:
+                    self.outbox.append(({"op": "spawn_failed", "id": item["id"], "errno": errno.EMFILE,
+                                         "error": "spawn request lost its file descriptors on the way to the "
+                                                  "spawner (its fd table is full): not started"}, -1))
+            return
         if op == "spawn" and "batch" in req:
             self.spawn_batch(req, fds)
         elif op == "spawn":

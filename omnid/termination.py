@@ -32,11 +32,13 @@ from typing import Protocol
 import structlog
 
 from omnid import linux
-from omnid.process import ProcessHandle, Survivor, find_residue, group_alive, kill_survivors
+from omnid.process import ProcessHandle, Survivor, _tagged, find_residue, group_alive, kill_survivors
 
 log = structlog.get_logger("omnid.termination")
 
 POLL_S = 0.005
+MAX_BACKOFF_S = 0.25  # wait_gone: the longest pause between two scans (off the loop) of a group
+SETTLE_S = 0.05  # wait_gone: after a member's exit, how long a killpg(0) waits for the spawner's reap
 UNBOUNDED_S = 1e9  # "no deadline" for wait_gone, whose caller bounds it another way
 
 
@@ -58,13 +60,15 @@ class StopRecord:
     to: str = ""
     rest: str = ""  # what the rest of the unit got once the main process had exited ("SIGKILL")
     main_seconds: float | None = None  # first signal -> the main process exited (to == "main")
+    ipc_removed: list[str] = field(default_factory=list)  # IPC objects of the unit removed (omnid.ipc)
 
     def to_json(self) -> dict:
         # Not dataclasses.asdict: it deep-copies, and a 256-unit summary is on the stop path.
         return {"unit": self.unit, "signal": self.signal, "seconds": self.seconds, "escalated": self.escalated,
                 "residue": list(self.residue), "unkillable": list(self.unkillable),
                 "gpu_release_ms": self.gpu_release_ms, "gpu_held": list(self.gpu_held), "was": self.was,
-                "to": self.to, "rest": self.rest, "main_seconds": self.main_seconds}
+                "to": self.to, "rest": self.rest, "main_seconds": self.main_seconds,
+                "ipc_removed": list(self.ipc_removed)}
 
     @classmethod
     def from_json(cls, d: dict) -> StopRecord:
@@ -75,7 +79,8 @@ class StopRecord:
                    gpu_held=[str(x) for x in d["gpu_held"]], was=str(d["was"]),
                    # absent in the record of a daemon from before kill_mode (a re-exec's state)
                    to=str(d.get("to", "")), rest=str(d.get("rest", "")),
-                   main_seconds=None if d.get("main_seconds") is None else float(d["main_seconds"]))
+                   main_seconds=None if d.get("main_seconds") is None else float(d["main_seconds"]),
+                   ipc_removed=[str(x) for x in d.get("ipc_removed", [])])
 
 
 class Target(Protocol):
@@ -126,6 +131,11 @@ class ProcessGroupTarget:
         self._group_ours = True  # until the leader is reaped
         self._extra: list[Survivor] | None = None
 
+    def _stack(self) -> list[linux.ProcStat]:
+        """Where the group's members are once the leader is gone: the spawner's descendants
+        (but other units' subtrees), not the host's whole process table."""
+        return linux.descendants(self.spawner_pid, frozenset(self.mains))
+
     def _residue(self, members: bool, children: list[int] | None = None) -> list[Survivor]:
         ours = self._group_ours and not self.h.reaped.is_set()
         return find_residue(self.name, self.h.pgid, self.spawner_pid, self.token, members=members,
@@ -166,7 +176,7 @@ class ProcessGroupTarget:
             finally:
                 os.close(fd)
             return
-        self.h.signal_group(sig, self.token)
+        self.h.signal_group(sig, self.token, self._stack)
 
     def signal_all(self, sig: int) -> None:
         # The group first: looking up escaped orphans reads /proc, and must not delay it.
@@ -207,15 +217,58 @@ class ProcessGroupTarget:
         return any(p not in self.mains and (st := linux.read_stat(p)) is not None and st.pgid == self.h.pgid
                    for p in linux.children_of(self.spawner_pid))
 
+    def _hold_members(self, procs: list[linux.ProcStat]) -> tuple[bool, list[int]]:
+        """From one walk of the spawner's descendants: (is anything of the group left, pidfds
+        of its live tagged members). Once the leader is gone the number may name a stranger's
+        group: a live member counts only if it carries the unit's tag; a zombie of the group
+        that the spawner has not reaped yet (it carries no tag to read) counts too. Every
+        live member is held by a checked pidfd, so its exit wakes the loop, no scan needed."""
+        left, fds = False, []
+        for p in procs:
+            if p.pgid != self.h.pgid and p.sid != self.h.pgid or p.pid in self.mains:
+                continue
+            if p.state in ("Z", "X"):
+                left = left or (p.ppid == self.spawner_pid and p.pgid == self.h.pgid)
+                continue
+            if not _tagged(p.pid, self.name, self.token):
+                continue
+            left = True
+            fd = linux.open_checked_pidfd(p.pid, p.start_time)
+            if fd is not None:
+                fds.append(fd)
+        return left, fds
+
     async def wait_gone(self, deadline: float) -> bool:
         try:
             await asyncio.wait_for(self.h.reaped.wait(), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             return False
-        while self._group_left():
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(POLL_S)
+        # No /proc scan on the loop: a killpg(0) says whether anything (zombies included) is
+        # left in the group; while something is, the spawner's descendants (every member of
+        # a unit's group is one: the spawner is their subreaper) are walked in a thread, one
+        # walk for every unit that waits in the same moment, and the members' pidfds wake the
+        # loop when they exit; what no pidfd holds (a zombie the spawner reaps in a moment, a
+        # member forked since the walk) is looked at again with back-off.
+        delay = POLL_S
+        while group_alive(self.h.pgid):
+            left, fds = self._hold_members(await stack_walk(self.spawner_pid, self.mains))
+            try:
+                if not left:
+                    return True
+                if time.monotonic() >= deadline:
+                    return False
+                woke = await linux.any_readable(fds, min(delay, deadline - time.monotonic()))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            if woke:
+                # A member exited: the spawner reaps it in a moment. Cheap checks first.
+                settle = min(deadline, time.monotonic() + SETTLE_S)
+                while group_alive(self.h.pgid) and time.monotonic() < settle:
+                    await asyncio.sleep(POLL_S)
+                delay = POLL_S
+            else:
+                delay = min(delay * 2, MAX_BACKOFF_S)
         return True
 
     def members(self) -> list[Survivor]:
@@ -225,6 +278,50 @@ class ProcessGroupTarget:
         if not self.h.reaped.is_set() or self._group_left():
             return False
         return not self._residue(members=False)
+
+
+class _Walks:
+    """One walk of the spawner's descendants, in a thread, shared by every wait_gone that asks
+    for one before it starts; a walk asked for while one runs starts after it (so what it
+    returns was read after the question)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, asyncio.Future] = {}
+        self.running: dict[int, asyncio.Future] = {}
+        self.tasks: set[asyncio.Task] = set()  # held: the loop keeps only weak references
+        self.walks = 0
+
+    async def get(self, root: int, skip: frozenset[int]) -> list[linux.ProcStat]:
+        fut = self.pending.get(root)
+        if fut is None:
+            fut = self.pending[root] = asyncio.get_running_loop().create_future()
+            task = asyncio.get_running_loop().create_task(self._run(root, skip, fut))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        return await asyncio.shield(fut)
+
+    async def _run(self, root: int, skip: frozenset[int], fut: asyncio.Future) -> None:
+        before = self.running.get(root)
+        if before is not None:
+            await asyncio.wait([before])
+        self.pending.pop(root, None)
+        self.running[root] = fut
+        self.walks += 1
+        try:
+            fut.set_result(await asyncio.to_thread(linux.descendants, root, skip))
+        except Exception as exc:  # noqa: BLE001 - handed to every waiter
+            fut.set_exception(exc)
+        finally:
+            if self.running.get(root) is fut:
+                del self.running[root]
+
+
+_walks = _Walks()
+
+
+async def stack_walk(spawner_pid: int, mains: Container[int] = ()) -> list[linux.ProcStat]:
+    """The spawner's descendants but the units' live main processes' subtrees (a thread)."""
+    return await _walks.get(spawner_pid, frozenset(mains))
 
 
 class LeftoverTarget:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from omnid.cluster.settings import HOST_NAME, parse_cluster
+from omnid.ownership import UnsafePath, read_unit_file
 from omnid.unitmodel import DEFAULT_TITLE, DaemonSettings, DrainHook, KillMode, ListenSocket, Liveness, LogFormat, NumaMode, Progress, Ready, ReadyKind, RestartPolicy, TorchDistributed, UnitFileError
 from omnid.unitvalues import MAX_INSTANCES, InvalidValue, _Invalid, _Table, _argv, _cgroup_amount, _choice, _describe, _env, _gpus, _group_name, _integer, _limits, _nonempty_string, _numa, _quote, _seconds, _seconds_at_most, _string, _string_list, parse_host_port, parse_signal
 
@@ -61,8 +62,7 @@ def _read_toml(file: Path, errors: list[UnitFileError], sources: dict[str, bytes
         if given and sources is not None:
             data = sources[file.name]
         else:
-            with file.open("rb") as f:
-                data = f.read(MAX_UNIT_FILE_BYTES + 1)
+            data = read_unit_file(file, MAX_UNIT_FILE_BYTES + 1)  # checked on the fd it reads (as root)
             if sources is not None:
                 sources[file.name] = data
         if len(data) > MAX_UNIT_FILE_BYTES:
@@ -78,6 +78,8 @@ def _read_toml(file: Path, errors: list[UnitFileError], sources: dict[str, bytes
                                     "expected a TOML document"))
     except UnicodeDecodeError as exc:
         errors.append(UnitFileError(file, "", f"not UTF-8 ({exc.reason}); expected a UTF-8 TOML document"))
+    except UnsafePath as exc:
+        errors.append(UnitFileError(file, "", str(exc)))
     except OSError as exc:
         errors.append(UnitFileError(file, "", f"cannot read ({exc.strerror}); expected a readable file"))
     return None

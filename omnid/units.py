@@ -21,7 +21,7 @@ from os import PathLike
 from pathlib import Path
 from types import MappingProxyType
 
-from omnid.ownership import check_unit_path
+from omnid.ownership import check_directory, check_unit_path
 from omnid.stackgraph import _dependencies, _expand_unit, _instance_names, _socket_clashes, _tiers, _worker_groups
 from omnid.unitfile import _Template, _parse_settings, _parse_unit_file, _read_toml
 from omnid.unitmodel import DaemonSettings, SETTINGS_FILE, Stack, StackInvalid, Unit, UnitFileError, _NAME
@@ -59,22 +59,30 @@ def check_stack(directory: str | PathLike[str]) -> tuple[UnitFileError, ...]:
 def _load(directory: Path, given: Mapping[str, bytes] | None = None) -> tuple[Stack | None, tuple[UnitFileError, ...]]:
     errors: list[UnitFileError] = []
     sources: dict[str, bytes] = dict(given) if given is not None else {}
+    if os.geteuid() == 0 and given is None:
+        # The directory and every one above it first (sshd's StrictModes): a user who owns one
+        # of them can swap what is below it at will, between any check and any read.
+        problem = check_directory(directory, "units directory")
+        if problem:
+            return None, (UnitFileError(directory, "", problem),)
     if given is not None:
         files = sorted(directory / name for name in given)
     elif not directory.is_dir():
         return None, (UnitFileError(directory, "", "not a directory; expected a directory of unit files (NAME.toml)"),)
     else:
         # Dotfiles are editor leftovers (.serve.toml.swp, .#serve.toml), not units.
-        files = sorted(p for p in directory.glob("*.toml") if not p.name.startswith(".") and p.is_file())
+        try:
+            files = sorted(p for p in directory.glob("*.toml") if not p.name.startswith(".") and p.is_file())
+        except OSError as exc:  # removed or replaced while listed
+            return None, (UnitFileError(directory, "", f"cannot list ({exc.strerror}); expected a directory of "
+                                        "unit files (NAME.toml)"),)
     if os.geteuid() == 0 and given is None:
         # A root daemon runs what these files say: only root may be able to change them.
         problem = check_unit_path(directory, directory=True)
         if problem:
             errors.append(UnitFileError(directory, "", problem))
-        for file in files:
-            problem = check_unit_path(file, directory=False)
-            if problem:
-                errors.append(UnitFileError(file, "", problem))
+        # Each file is checked on the fd it is read from (unitfile._read_toml), with every
+        # directory above it: a check by path here and a read by path there could be swapped.
         if errors:
             return None, tuple(errors)
 

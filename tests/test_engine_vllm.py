@@ -47,7 +47,7 @@ TIMINGS: list[str] = []
 # them) before the behaviour behind each lands in the daemon; until it has, the row that needs
 # it is an expected failure naming it, and is not run (each run costs a vLLM restart, minutes
 # on two cores). Flip the entry to True when the behaviour lands.
-LANDED = {"progress": True, "kill_mode": True, "remove_ipc": False}
+LANDED = {"progress": True, "kill_mode": True, "remove_ipc": True}
 
 
 def needs(feature: str):

@@ -489,3 +489,62 @@ def test_kill_accepts_a_numeric_signal(daemon):
     for bad in (0, -9, 65, 10**20):
         rep = d.call("kill", {"unit": "a", "signal": bad})
         assert not rep["ok"] and rep["error"]["code"] == "bad_request" and "signal" in rep["error"]["message"], rep
+
+
+# ------------------------------------------------------------------ 8. unit files: checked where read
+SWAPPER = """
+import os, sys, time
+d = sys.argv[1]
+end = time.monotonic() + float(sys.argv[2])
+n = 0
+while time.monotonic() < end:
+    # The root-owned stack out, the attacker's in; then back, so root's checks see it too.
+    os.rename(d + "/stack", d + "/good")
+    os.rename(d + "/evil", d + "/stack")
+    os.rename(d + "/stack", d + "/evil")
+    os.rename(d + "/good", d + "/stack")
+    n += 1
+print(n)
+"""
+
+
+def test_unit_file_swap_by_the_owner_of_a_parent_directory_never_reaches_root(other_uid):
+    """A user who owns a directory above a root-owned stack swaps the stack for her own
+    between root's ownership check and its read (TOCTOU), running as that user (setpriv).
+    Every load must be refused, naming the directory she owns, and never return her exec."""
+    from omnid.units import StackInvalid, load_stack
+
+    base = make_stack({"x": SLEEPER["a"]})  # a root-owned temporary directory
+    os.chmod(base, 0o755)
+    hers = base / "hers"
+    hers.mkdir()
+    stack = hers / "stack"
+    stack.mkdir(mode=0o755)
+    (stack / "a.toml").write_text('exec = ["sleep", "1000"]\n')
+    evil = hers / "evil"
+    evil.mkdir()
+    (evil / "a.toml").write_text('exec = ["/bin/touch", "/tmp/omnid-owned-by-attacker"]\n')
+    for p in (hers, evil, evil / "a.toml"):
+        os.chown(p, other_uid, -1)
+    attacker = subprocess.Popen(["setpriv", f"--reuid={other_uid}", f"--regid={other_uid}", "--clear-groups",
+                                 PY, "-c", SWAPPER, str(hers), "3"], stdout=subprocess.PIPE, text=True)
+    outcomes: dict[str, int] = {}
+    try:
+        end = time.monotonic() + 2.5
+        while time.monotonic() < end and attacker.poll() is None:
+            try:
+                s = load_stack(stack)
+                key = "loaded " + " ".join(s.units["a"].exec)
+            except StackInvalid as exc:
+                text = str(exc)
+                key = "refused, naming her directory" if str(hers) in text and OTHER in text else f"refused: {text[:300]}"
+            except Exception as exc:  # noqa: BLE001 - what root's loader must never do, recorded
+                import traceback
+                key = f"raised {traceback.format_exc()[-600:]}"
+            outcomes[key] = outcomes.get(key, 0) + 1
+    finally:
+        out, _ = attacker.communicate(timeout=30)
+        shutil.rmtree(base, ignore_errors=True)
+    assert attacker.returncode == 0 and int(out) > 0, (attacker.returncode, out)
+    assert not any("touch" in k for k in outcomes), f"root loaded the attacker's unit file: {outcomes}"
+    assert set(outcomes) == {"refused, naming her directory"}, outcomes

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from omnid.ownership import UnsafePath, open_checked, read_checked
 from omnid.unitmodel import UnitFileError
 
 CLUSTER_KEYS = ("etcd", "host", "address", "lease_ttl", "prefix", "ca", "cert", "key", "peer_port", "secret_file")
@@ -148,6 +149,10 @@ def _port(value: Any) -> int:
     raise SettingsError("peer_port", f"expected a UDP port from 1 to 65535, got {_describe(value)}")
 
 
+def _trusted() -> tuple[int, ...]:
+    return (0,) if os.geteuid() == 0 else (0, os.geteuid())
+
+
 def check_file(key: str, path: Path, *, private: bool) -> None:
     """A file omnid reads as root: regular, small, owned by root or us, nobody else may write
     it (a user who could would choose what omnid trusts); a private one nobody else may read."""
@@ -167,16 +172,21 @@ def check_file(key: str, path: Path, *, private: bool) -> None:
     if private and st.st_mode & 0o044:
         raise SettingsError(key, f"{path} is readable by group or others (mode {st.st_mode & 0o777:04o}); "
                             "expected chmod 600")
+    # The same again on an fd opened without following a symlink, with every directory above
+    # it (sshd's StrictModes): what read_file reads is what this checked.
+    try:
+        os.close(open_checked(path, key, trusted=_trusted(), private=private))
+    except UnsafePath as exc:
+        raise SettingsError(key, str(exc)) from None
 
 
 def read_file(key: str, path: Path, *, private: bool) -> bytes:
     """check_file, then the contents (checked again: the file may have changed since `omnid check`)."""
     check_file(key, path, private=private)
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise SettingsError(key, f"cannot read {path} ({exc.strerror})") from None
+        data = read_checked(path, key, MAX_FILE_BYTES + 1, trusted=_trusted(), private=private)
+    except UnsafePath as exc:
+        raise SettingsError(key, str(exc)) from None
     if len(data) > MAX_FILE_BYTES:
         raise SettingsError(key, f"{path} is larger than {MAX_FILE_BYTES} bytes")
     return data

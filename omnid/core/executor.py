@@ -26,6 +26,7 @@ import structlog
 from omnid import linux
 from omnid.cgroup import CgroupTarget
 from omnid.core import groups, policy, spawning
+from omnid.core.cleanup import CannotPrepare
 from omnid.core.lifecycle import (Action, ArmTimer, Capture, CountStart, DecideRestart, Drain, Event, Phase,
                                   Publish, RecordFailure, Release, ReportUnkillable, Signal, Spawn, StartMonitors,
                                   UnitState, WaitRelease, WatchGone, WatchReady)
@@ -94,6 +95,7 @@ class Executor:
         self.captures = None  # omnid.capturestore.CaptureStore, when the daemon keeps captures
         self.drains = None  # omnid.core.drain.Drains
         self.faults = None  # omnid.core.faults.Faults: the test-only injection hook, never set in production
+        self.cleanup = None  # omnid.core.cleanup.UnitCleanup: private tmp and IPC residue, when the daemon runs
 
     def of(self, rt: UnitRuntime) -> Works:
         w = self.works.get(rt.name)
@@ -197,11 +199,13 @@ class Executor:
                 return
             extra = {**extra, "LISTEN_FDS": str(len(listen)), "LISTEN_FDNAMES": ":".join(names)}
         try:
+            if self.cleanup is not None:  # the previous instance's leftovers gone; TMPDIR
+                extra = {**await self.cleanup.before_spawn(rt), **extra}
             env = spawning.environ(spec, sup.notify_socket, sup.token, extra)
             prep = spawning.prepare(spec, env=env, cgroups=sup.cgroups)
             if listen:
                 prep.request = dataclasses.replace(prep.request, listen_fds=tuple(listen))
-        except spawning.CannotSpawn as exc:
+        except (spawning.CannotSpawn, CannotPrepare) as exc:
             self._cgroup_done(rt)
             sup.feed(rt, E.SPAWN_FAILED, str(exc))
             return
@@ -223,6 +227,8 @@ class Executor:
             rt.output.attach(prep.out_r, prep.err_r)
         finally:
             sup.adopt(rt, h)  # held by its pidfd before anything else can fail: a crash now kills it
+        if self.cleanup is not None:
+            self.cleanup.spawned(rt, sp.pid)
         if self.faults is not None:
             self.faults.check(rt.name, "spawn")
         rt.ready_deadline = time.monotonic() + spec.ready_timeout
@@ -317,6 +323,8 @@ class Executor:
         await term.sweep(rt.spec.kill_timeout)
         if self.sup.cgroups:
             self.sup.cgroups.release(rt.name)
+        if self.cleanup is not None:  # before GONE: the stop summary names what was removed
+            await self.cleanup.gone(rt, term.rec)
         self.sup.feed(rt, E.GONE)
 
     def _capture(self, rt: UnitRuntime, a: Capture, ctx: Ctx) -> None:
@@ -423,6 +431,8 @@ class Executor:
             self.sup.disown(rt, h)
         rt.output.detach()
         self._cgroup_done(rt)
+        if self.cleanup is not None:
+            self.cleanup.released(rt)
 
     def _publish(self, rt: UnitRuntime, a: Publish, ctx: Ctx) -> None:
         self.sup.published(rt, ctx.prev_state, ctx.event, ctx.pid)

@@ -28,6 +28,7 @@ log = structlog.get_logger("omnid.supervisor")
 S, E = UnitState, Event
 EARLY_NOTIFY_MAX = 4096  # sessions whose notify came before their spawn reply, at most
 READY_PROBE_TIMEOUT_S = 2.0  # one readiness probe, at start and while active
+MAX_ANCESTRY = 64  # parent links walked to find the spawner above a notify sender
 
 
 class Monitors:
@@ -246,9 +247,25 @@ class Monitors:
         if pending:
             # READY=1 can come before the spawner's reply: the environment proves it ours.
             tag = linux.read_environ_var(pid, UNIT_TAG)
-            if tag in self.sup.units and linux.read_environ_var(pid, DAEMON_TAG) == self.sup.token:
+            if tag in self.sup.units and linux.read_environ_var(pid, DAEMON_TAG) == self.sup.token \
+                    and self._descends_from_spawner(pid):
                 return tag
         return None
+
+    def _descends_from_spawner(self, pid: int) -> bool:
+        """Is `pid` our spawner's child or a descendant of one? The token in a process's
+        environment is readable by the user a unit runs as, who could copy it into a process
+        of her own; parentage she cannot forge (an orphan is re-parented to the spawner, the
+        subreaper: still ours)."""
+        spawner = getattr(self.sup.spawner, "pid", 0)
+        for _ in range(MAX_ANCESTRY):
+            st = linux.read_stat(pid)
+            if st is None or st.ppid <= 1:
+                return False
+            if st.ppid == spawner:
+                return True
+            pid = st.ppid
+        return False
 
     def on_notify(self, sender_pid: int, fields: dict[str, str]) -> str | None:
         """An sd_notify message from sender_pid; returns the unit it was attributed to."""
@@ -264,7 +281,8 @@ class Monitors:
         tag = linux.read_environ_var(sender_pid, UNIT_TAG)
         pending = self.sup.units.get(tag) if tag else None
         if pending is not None and pending.proc is None and pending.phase is Phase.SPAWNING \
-                and linux.read_environ_var(sender_pid, DAEMON_TAG) == self.sup.token:
+                and linux.read_environ_var(sender_pid, DAEMON_TAG) == self.sup.token \
+                and self._descends_from_spawner(sender_pid):
             if len(self.early) >= EARLY_NOTIFY_MAX:
                 self.early.pop(next(iter(self.early)))
             self.early.setdefault(st.sid, []).append(fields)

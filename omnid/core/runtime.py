@@ -102,6 +102,8 @@ class UnitRuntime:
     capture_summary: str = ""  # the last capture of its stacks before a kill, in a line
     last_exit_what: str = ""  # how the main process ended: "killed by SIGKILL (pid 12, while active)"
     start_requested: bool = False  # an operator's start is pending: the next start is no automatic restart
+    private_tmp: str = ""  # the instance's TMPDIR (omnid.privatetmp); "" = none
+    ipc_removed: list[str] = field(default_factory=list)  # IPC objects removed when it was last gone
 
     @property
     def name(self) -> str:
@@ -147,6 +149,8 @@ class UnitRuntime:
             "generation": self.book.generation,
             "gpu_release_ms": self.gpu_release_ms,
             "gpu_held": list(self.gpu_held),
+            "private_tmp": self.private_tmp or None,
+            "ipc_removed": list(self.ipc_removed),
             **({"worker_group": self.spec.worker_group} if self.spec.worker_group else {}),
             "placement": numa.status(self.spec),
         }
@@ -160,7 +164,8 @@ class UnitRuntime:
                    cause=self.cause.value if self.cause else None,
                    proc=None if self.proc is None else self.proc.to_json(),
                    last_stop=None if self.last_stop is None else self.last_stop.to_json(),
-                   start_requested=self.start_requested)
+                   start_requested=self.start_requested,
+                   private_tmp=self.private_tmp, ipc_removed=list(self.ipc_removed))
         return out
 
     def load_json(self, d: dict[str, Any]) -> None:
@@ -178,3 +183,6 @@ class UnitRuntime:
         self.proc = None if d["proc"] is None else ProcessHandle.from_json(self.name, d["proc"])
         self.last_stop = None if d["last_stop"] is None else StopRecord.from_json(d["last_stop"])
         self.start_requested = bool(d.get("start_requested", False))  # absent from older programs' records
+        # Absent in a record of a program without them: nothing to take over.
+        self.private_tmp = str(d.get("private_tmp", ""))
+        self.ipc_removed = [str(x) for x in d.get("ipc_removed", [])]

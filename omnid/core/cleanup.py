@@ -1,0 +1,194 @@
+"""What a unit leaves besides processes, taken away when it is gone: its private
+temporary directory (omnid.privatetmp) and its IPC objects (omnid.ipc). The executor
+calls `before_spawn` (a new directory, a fresh IPC record; the previous instance's
+removal finished first, so a restart never meets its predecessor's objects), `spawned`,
+`gone` (a stop: awaited before GONE, so the stop summary names what was removed) and
+`released` (the unit is inactive or failed: whatever `gone` did not do yet runs now, as a
+task, so a death's path to `failed` does not wait for it). The blocking work (a /proc
+scan, a tree removal) runs in a thread, bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import os
+import pwd
+import time
+from typing import Any
+
+import structlog
+
+from omnid import ipc, privatetmp
+from omnid.tasks import unit_task
+
+log = structlog.get_logger("omnid.cleanup")
+
+SETTLE_WAIT_S = 5.0  # a spawn waits at most this long for its predecessor's removal
+IPC_BUDGET_S = 5.0  # the /proc scan that proves nobody holds an object (~1 s for 2,000 processes here)
+TMP_BUDGET_S = 10.0
+
+
+class CannotPrepare(Exception):
+    """The private directory cannot be made: the spawn fails with this reason."""
+
+
+def unit_ids(spec: Any) -> tuple[int | None, int | None]:
+    """The uid and gid the unit runs as (None: the daemon's own). KeyError: no such user/group."""
+    uid = gid = None
+    if spec.user:
+        pw = pwd.getpwnam(spec.user)
+        uid, gid = pw.pw_uid, pw.pw_gid
+    if spec.group:
+        gid = grp.getgrnam(spec.group).gr_gid
+    return uid, gid
+
+
+class UnitCleanup:
+    def __init__(self, token: str, state_dir: str | None) -> None:
+        self.book = ipc.IpcBook(token)
+        self.watch: ipc.ShmWatch | None = None
+        self.watch_error: str | None = None
+        self.record = privatetmp.Record(state_dir) if state_dir else None
+        # Read before this daemon makes any: what a previous one left (swept once started).
+        self._previous = self.record.previous() if self.record is not None else []
+        self.tmp: dict[str, privatetmp.TmpDir] = {}  # unit -> its live instance's directory
+        self._due: set[str] = set()  # units whose instance is gone and not yet cleaned
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    # ------------------------------------------------------------ daemon life
+    def start(self) -> None:
+        """The fanotify listener (a thread: call after the spawner's exec)."""
+        self.watch = ipc.ShmWatch(self.book)
+        self.watch_error = self.watch.start()
+        if self.watch_error is not None:
+            self.watch = None
+            log.warning("POSIX IPC objects (/dev/shm) will not be attributed to units; System V ones will",
+                        reason=self.watch_error)
+
+    async def sweep_previous(self) -> None:
+        """Private directories a previous daemon (SIGKILLed) recorded and left; a re-exec's
+        live ones are kept."""
+        if self.record is not None and self._previous:
+            keep = {d.path for d in self.tmp.values()}
+            previous, self._previous = self._previous, []
+            await asyncio.to_thread(self.record.sweep, previous, keep)
+
+    async def settle(self, timeout: float = SETTLE_WAIT_S) -> None:
+        """Every removal under way finished (the daemon's end), bounded."""
+        tasks = [t for t in self._tasks.values() if not t.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+            self.watch = None
+
+    def handover(self) -> dict:
+        return {"ipc": self.book.handover(), "tmp": {k: d.to_json() for k, d in self.tmp.items()},
+                "due": sorted(self._due)}
+
+    def take_over(self, d: object) -> None:
+        if not isinstance(d, dict):
+            return
+        self.book.take_over(d.get("ipc"))
+        tmp = d.get("tmp")
+        for k, v in (tmp.items() if isinstance(tmp, dict) else ()):
+            td = privatetmp.TmpDir.from_json(v)
+            if td is not None:
+                self.tmp[str(k)] = td
+                if self.record is not None:
+                    self.record.dirs[td.path] = td
+        due = d.get("due")
+        self._due.update(str(x) for x in due if isinstance(x, str)) if isinstance(due, list) else None
+
+    # ------------------------------------------------------------ a unit's instance
+    async def before_spawn(self, rt: Any) -> dict[str, str]:
+        """The previous instance's leftovers removed, a fresh record and directory; returns
+        what the unit's environment gains. CannotPrepare says why it cannot start."""
+        name, spec = rt.name, rt.spec
+        prev = self._tasks.get(name)
+        if prev is not None and not prev.done():
+            await asyncio.wait([prev], timeout=SETTLE_WAIT_S)
+        if name in self._due:  # gone, never released (a spawn straight after a stop)
+            await self._clean(rt)
+        try:
+            uid, gid = unit_ids(spec)
+        except KeyError as exc:
+            raise CannotPrepare(f"unknown user or group {exc}") from None
+        self.book.begin(name, os.geteuid() if uid is None else uid)
+        if not privatetmp.wanted(spec):
+            return {}
+        try:
+            d = privatetmp.create(name, uid, gid)
+        except OSError as exc:
+            raise CannotPrepare(f"cannot create the private temporary directory under {privatetmp.TMP_ROOT}: "
+                                f"{exc.strerror or exc}") from None
+        self.tmp[name] = d
+        self._due.add(name)
+        if self.record is not None:
+            self.record.add(d)
+        rt.private_tmp = d.path
+        # An operator's TMP or TEMP in `env` stays (TMPDIR there means no directory at all).
+        return {k: v for k, v in privatetmp.environment(d).items() if k not in spec.env}
+
+    def spawned(self, rt: Any, pid: int) -> None:
+        self.book.add_pid(rt.name, pid)
+        self._due.add(rt.name)
+
+    async def gone(self, rt: Any, rec: Any | None) -> None:
+        """Nothing of the instance runs any more (the kernel proved it): remove, await."""
+        if rt.name in self._due:
+            await self._clean(rt, rec)
+
+    def released(self, rt: Any) -> None:
+        """The unit is inactive or failed: whatever is still due goes, as a task."""
+        name = rt.name
+        if name not in self._due or (name in self._tasks and not self._tasks[name].done()):
+            return
+        # A crash is logged by unit_task; the unit's state does not depend on its leftovers.
+        self._tasks[name] = unit_task(self._clean(rt), unit=name, kind="cleanup", on_crash=lambda exc: None)
+
+    async def _clean(self, rt: Any, rec: Any | None = None) -> None:
+        name, spec = rt.name, rt.spec
+        self._due.discard(name)
+        d = self.tmp.pop(name, None)
+        t0 = time.monotonic()
+        if (d is None or privatetmp.remove_if_empty(d)) and not self.book.has_entries(name) \
+                and (self.watch is None or not self.watch.pending()):
+            # Nothing that needs a thread: no /dev/shm entry to prove unheld, no queued event,
+            # no tree to walk (a thread's hand-off costs a restart ~0.1 s on a loaded host).
+            u = self.book.take(name)
+            removed, kept = ipc.remove_sysv(u) if u is not None and spec.remove_ipc else ([], [])
+            tmp_left = None
+        else:
+            removed, kept, tmp_left = await asyncio.to_thread(self._clean_blocking, name, d, bool(spec.remove_ipc))
+        if d is not None and self.record is not None and tmp_left is None:
+            self.record.drop(d)
+        if tmp_left is not None:
+            log.warning("private tmp directory not fully removed", unit=name, why=tmp_left)
+        if removed or kept:
+            log.info("IPC residue", unit=name, removed=removed, kept=kept,
+                     ms=round((time.monotonic() - t0) * 1000, 1))
+        rt.ipc_removed = removed
+        if rec is not None:
+            rec.ipc_removed = list(removed)
+
+
+    def _clean_blocking(self, name: str, d: privatetmp.TmpDir | None,
+                        remove_ipc: bool) -> tuple[list[str], list[str], str | None]:
+        # What the unit created just before it died may still be queued: read first.
+        if self.watch is not None:
+            self.watch.drain()
+        return _remove(d, self.book.take(name), remove_ipc)
+
+
+def _remove(d: privatetmp.TmpDir | None, u: ipc.UnitIpc | None,
+            remove_ipc: bool) -> tuple[list[str], list[str], str | None]:
+    tmp_left = privatetmp.remove(d, deadline_s=TMP_BUDGET_S) if d is not None else None
+    removed: list[str] = []
+    kept: list[str] = []
+    if u is not None and remove_ipc:
+        removed, kept = ipc.remove_residue(u, IPC_BUDGET_S)
+    return removed, kept, tmp_left

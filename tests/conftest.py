@@ -52,6 +52,40 @@ def _fds() -> set[int]:
     return out
 
 
+def _processes_left(test_id: str, grace: float = LEAK_GRACE_S) -> list[str]:
+    """Wait up to `grace` for every process carrying `test_id` to be gone; a problem line
+    naming those still there (SIGKILLed by pidfd, so one leak does not poison the next test)."""
+    deadline = time.monotonic() + grace
+    left = _marked(test_id)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.02)
+        left = _marked(test_id)
+    if not left:
+        return []
+    for p in left:
+        try:
+            fd = os.pidfd_open(p.pid)
+        except ProcessLookupError:
+            continue
+        linux.pidfd_send_signal(fd, signal.SIGKILL)
+        os.close(fd)
+    return ["processes left behind: " + ", ".join(
+        f"pid {p.pid} ({p.comm}, state {p.state}, ppid {p.ppid})" for p in left)]
+
+
+@pytest.fixture(scope="module")
+def module_test_id():
+    """An OMNID_TEST_ID for what a module keeps across its tests (a daemon supervising an
+    engine that takes a minute to start): give it to that daemon's environment explicitly.
+    The per-test check cannot see these processes (they carry this id, not the test's); they
+    are checked here instead, once the module's fixtures are torn down."""
+    test_id = "module-" + uuid.uuid4().hex
+    yield test_id
+    problems = _processes_left(test_id)
+    if problems:
+        pytest.fail("leak check (module): " + "; ".join(problems), pytrace=False)
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
     test_id = uuid.uuid4().hex
@@ -59,22 +93,7 @@ def no_leaks(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
     monkeypatch.setenv("OMNID_CHECK_INVARIANTS", "1")
     fds_before = _fds()
     yield test_id
-    problems = []
-    deadline = time.monotonic() + LEAK_GRACE_S
-    left = _marked(test_id)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.02)
-        left = _marked(test_id)
-    if left:
-        problems.append("processes left behind: " + ", ".join(
-            f"pid {p.pid} ({p.comm}, state {p.state}, ppid {p.ppid})" for p in left))
-        for p in left:  # clean up by pidfd so one leak does not poison the next test
-            try:
-                fd = os.pidfd_open(p.pid)
-            except ProcessLookupError:
-                continue
-            linux.pidfd_send_signal(fd, signal.SIGKILL)
-            os.close(fd)
+    problems = _processes_left(test_id)
     zombies = _zombie_children()
     if zombies:
         problems.append("zombies left (children of pytest not reaped): " + ", ".join(str(z.pid) for z in zombies))

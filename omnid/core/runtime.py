@@ -102,6 +102,9 @@ class UnitRuntime:
     capture_summary: str = ""  # the last capture of its stacks before a kill, in a line
     last_exit_what: str = ""  # how the main process ended: "killed by SIGKILL (pid 12, while active)"
     start_requested: bool = False  # an operator's start is pending: the next start is no automatic restart
+    # Taken out by a rolling restart (omnid.core.requests.roll): its dependents do not count it
+    # as down, since its sibling instances serve them; cleared by the next operator start/stop.
+    rolling: bool = False
 
     @property
     def name(self) -> str:
@@ -160,7 +163,7 @@ class UnitRuntime:
                    cause=self.cause.value if self.cause else None,
                    proc=None if self.proc is None else self.proc.to_json(),
                    last_stop=None if self.last_stop is None else self.last_stop.to_json(),
-                   start_requested=self.start_requested)
+                   start_requested=self.start_requested, rolling=self.rolling)
         return out
 
     def load_json(self, d: dict[str, Any]) -> None:
@@ -178,3 +181,4 @@ class UnitRuntime:
         self.proc = None if d["proc"] is None else ProcessHandle.from_json(self.name, d["proc"])
         self.last_stop = None if d["last_stop"] is None else StopRecord.from_json(d["last_stop"])
         self.start_requested = bool(d.get("start_requested", False))  # absent from older programs' records
+        self.rolling = bool(d.get("rolling", False))

@@ -359,17 +359,25 @@ def cmd_stop(a: argparse.Namespace) -> int:
 def cmd_restart(a: argparse.Namespace) -> int:
     """Say what else restarts and why (worker group, units that require it), then do it."""
     client = Client(control_of(a))
-    first = client.call("restart", {"units": a.unit_names, "dry_run": True, "timeout": a.timeout},
+    roll = {"rolling": True} if a.rolling else {}
+    first = client.call("restart", {"units": a.unit_names, "dry_run": True, "timeout": a.timeout, **roll},
                         timeout=2 * a.timeout + 10)
     if "plan" not in first:  # a daemon older than the plan restarted already: its answer is the result
         print_units(first["units"])
         return EXIT_OK if first["ok"] else EXIT_FAILED
-    print_restart_plan(first["plan"])
+    if a.rolling:
+        plan = first["plan"]
+        print(f"rolling restart of {', '.join(p['unit'] for p in plan)}: {plan[0]['why']}")
+    else:
+        print_restart_plan(first["plan"])
     if a.dry_run:
         return EXIT_OK
-    result = client.call("restart", {"units": a.unit_names, "timeout": a.timeout}, timeout=2 * a.timeout + 10)
+    result = client.call("restart", {"units": a.unit_names, "timeout": a.timeout, **roll},
+                         timeout=2 * a.timeout + 10)
     print()
     print_units(result["units"])
+    if result.get("stopped"):
+        print(f"omnid: {result['stopped']}", file=sys.stderr)
     return EXIT_OK if result["ok"] else EXIT_FAILED
 
 
@@ -390,6 +398,8 @@ def cmd_reload(a: argparse.Namespace) -> int:
     if result.get("units"):
         print()
         print_units(result["units"])
+    if result.get("stopped"):
+        print(f"omnid: {result['stopped']}", file=sys.stderr)
     return EXIT_OK if result.get("ok", True) else EXIT_FAILED
 
 
@@ -708,6 +718,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "not counted.")
     r.add_argument("unit_names", nargs="+", metavar="UNIT", help="units to restart")
     r.add_argument("--dry-run", action="store_true", help="list what would restart, and why; change nothing")
+    r.add_argument("--rolling", action="store_true",
+                   help="replace the instances max_unavailable at a time, each next one once the new one is "
+                        "ready; units that require it keep running; a failing new instance stops the roll "
+                        "(not for worker groups)")
     timeout_arg(r, 600, "the units to be back")
     r.set_defaults(func=cmd_restart)
 

@@ -163,10 +163,30 @@ class ControlHandlers:
         if names is None:
             raise ControlError("bad_request", "restart needs \"units\"")
         self.known(names)
+        rolling = args.get("rolling", False)
+        if not isinstance(rolling, bool):
+            raise ControlError("bad_request", f"\"rolling\" must be true or false, got {rolling!r}")
+        if rolling:
+            refused = self.sup.requests.roll_refusal(names)
+            if refused:
+                raise ControlError("bad_request", refused)
+            if args.get("dry_run"):
+                return {"dry_run": True, "plan": self.roll_plan(names)}
+            units, why = await self.sup.requests.roll(names, timeout_arg(args))
+            return {"ok": not why and all(u["state"] == "active" for u in units), "units": units,
+                    "rolling": True, **({"stopped": why} if why else {})}
         if args.get("dry_run"):
             return {"dry_run": True, "plan": self.restart_plan(names)}
         units = await self.sup.requests.restart_units(names, timeout_arg(args))
         return {"ok": all(u["state"] == "active" for u in units), "units": units}
+
+    def roll_plan(self, names: list[str]) -> list[dict]:
+        """What `restart --rolling` does: the instances in turn, nothing else."""
+        sup = self.sup
+        named = sup.expand(names, whole_groups=False)
+        step = min(sup.units[n].spec.max_unavailable for n in named)
+        return [{"unit": n, "why": f"rolled: {step} at a time, the next once the new one is ready; units that "
+                                   f"require it keep running"} for n in named]
 
     def restart_plan(self, names: list[str]) -> list[dict]:
         """What a restart of `names` stops and starts again, each unit with why, in start
@@ -289,8 +309,11 @@ class ControlHandlers:
         except ReloadError as exc:
             raise ControlError(exc.code, exc.message) from None
         d.stack = new
+        units, why = units
         out["units"] = units
-        out["ok"] = all(u["state"] == "active" for u in units)
+        out["ok"] = not why and all(u["state"] == "active" for u in units)
+        if why:
+            out["stopped"] = why
         return out
 
     async def handle_reexec(self, args: dict) -> dict:

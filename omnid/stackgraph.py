@@ -119,6 +119,8 @@ def _expand_unit(
         kill_timeout=v["kill_timeout"],
         kill_mode=v["kill_mode"],
         leftover_timeout=v["leftover_timeout"],
+        update=v["update"],
+        max_unavailable=v["max_unavailable"],
         private_tmp=v["private_tmp"],
         remove_ipc=v["remove_ipc"],
         capture_timeout=v["capture_timeout"],

@@ -14,7 +14,7 @@ from typing import Any
 
 from omnid.cluster.settings import HOST_NAME, parse_cluster
 from omnid.ownership import UnsafePath, read_unit_file
-from omnid.unitmodel import DEFAULT_TITLE, DaemonSettings, DrainHook, KillMode, ListenSocket, Liveness, LogFormat, NumaMode, Progress, Ready, ReadyKind, RestartPolicy, TorchDistributed, UnitFileError
+from omnid.unitmodel import DEFAULT_TITLE, DaemonSettings, DrainHook, KillMode, ListenSocket, Liveness, LogFormat, NumaMode, Progress, Ready, ReadyKind, RestartPolicy, TorchDistributed, UnitFileError, UpdatePolicy
 from omnid.unitvalues import MAX_INSTANCES, InvalidValue, _Invalid, _Table, _argv, _cgroup_amount, _choice, _describe, _env, _gpus, _group_name, _integer, _limits, _nonempty_string, _numa, _quote, _seconds, _seconds_at_most, _string, _string_list, parse_host_port, parse_signal
 
 
@@ -28,7 +28,7 @@ UNIT_KEYS = (
     "start_limit_burst", "start_limit_interval", "gpu_min_free_mib", "worker_group", "torch_distributed",
     "memory_max", "tasks_max", "capture_timeout", "drain", "drain_timeout", "group_hosts", "numa",
     "progress", "ready_interval", "kill_mode", "leftover_timeout", "private_tmp", "remove_ipc",
-    "sockets",
+    "sockets", "update", "max_unavailable",
 )  # fmt: skip
 TORCH_DISTRIBUTED_KEYS = ("master_addr", "master_port")
 # The restart policy of a worker group is one policy: every member must declare the same.
@@ -164,6 +164,8 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
         "remove_ipc": t.get("remove_ipc", True, _boolean),
         "numa": t.get("numa", NumaMode.AUTO, _numa),
         "sockets": (),
+        "update": t.get("update", UpdatePolicy.RESTART, _choice(UpdatePolicy)),
+        "max_unavailable": t.get("max_unavailable", 1, _integer(1, MAX_INSTANCES)),
     }
     td = raw.get("torch_distributed", False)
     if td is True or isinstance(td, dict):
@@ -196,10 +198,17 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
     if v["restart_max_sec"] < v["restart_sec"]:
         t.error("restart_max_sec", f"expected seconds >= restart_sec ({v['restart_sec']:g}), "
                 f"got {v['restart_max_sec']:g}")  # fmt: skip
+    instances = t.get("instances", 1, _integer(1, MAX_INSTANCES))
+    if v["update"] is UpdatePolicy.ROLLING and v["worker_group"] is not None:
+        t.error("update", 'a worker group is one thing and restarts as a group; expected update = "restart" '
+                'with worker_group')
+    if v["update"] is UpdatePolicy.ROLLING and instances > 1 and v["max_unavailable"] >= instances:
+        t.error("max_unavailable", f"expected fewer than instances ({instances}): a roll keeps at least one "
+                f"instance up, got {v['max_unavailable']}")
     return _Template(
         name=name,
         file=file,
-        instances=t.get("instances", 1, _integer(1, MAX_INSTANCES)),
+        instances=instances,
         values=v,
         after=t.get("after", (), _string_list),
         requires=t.get("requires", (), _string_list),

@@ -145,6 +145,13 @@ class ListenSocket:
         return self.listen.startswith("/")
 
 
+class UpdatePolicy(StrEnum):
+    """How a restart or reload replaces the instances of a unit with `instances > 1`."""
+
+    RESTART = "restart"  # all at once (dependents follow, as after any restart)
+    ROLLING = "rolling"  # max_unavailable at a time, each next one once the new one is ready
+
+
 class KillMode(StrEnum):
     """Who gets `stop_signal` (systemd's KillMode=)."""
 
@@ -256,6 +263,8 @@ class Unit:
     memory_max: int | str | None = None  # cgroup memory.max (systemd MemoryMax=); "max" = no limit
     tasks_max: int | str | None = None  # cgroup pids.max (systemd TasksMax=)
     sockets: tuple[ListenSocket, ...] = ()  # held by the daemon, passed from fd 3 (omnid.sockets)
+    update: UpdatePolicy = UpdatePolicy.RESTART  # how a reload replaces its instances (omnid.core.reload)
+    max_unavailable: int = 1  # instances a roll takes down at a time
 
     @property
     def dependencies(self) -> tuple[str, ...]:

@@ -27,7 +27,7 @@ from omnid.unitfile import _Template, _parse_settings, _parse_unit_file, _read_t
 from omnid.unitmodel import DaemonSettings, SETTINGS_FILE, Stack, StackInvalid, Unit, UnitFileError, _NAME
 from omnid.unitvalues import MAX_UNITS
 from omnid.unitmodel import (  # noqa: F401 - re-exported
-    DEFAULT_TITLE, DaemonSettings, DrainHook, GpuRef, KillMode, ListenSocket, Liveness, Progress, LogFormat, NumaMode, RESERVED_ENV, RLIMITS, Ready, ReadyKind, RestartPolicy, Rlimit, SETTINGS_FILE, Stack, StackInvalid, TORCH_ENV, TorchDistributed, Unit, UnitFileError,
+    DEFAULT_TITLE, DaemonSettings, DrainHook, GpuRef, KillMode, ListenSocket, Liveness, Progress, LogFormat, NumaMode, RESERVED_ENV, RLIMITS, Ready, ReadyKind, RestartPolicy, Rlimit, SETTINGS_FILE, Stack, StackInvalid, TORCH_ENV, TorchDistributed, Unit, UnitFileError, UpdatePolicy,
 )
 from omnid.unitvalues import (  # noqa: F401 - re-exported
     InvalidValue, MAX_INSTANCES, MAX_RLIMIT, MAX_SECONDS, MAX_UNITS, parse_host_port, parse_signal,

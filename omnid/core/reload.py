@@ -7,7 +7,8 @@ an outage, so each unit instance is compared key by key:
 - restarted: a key that shapes the process changed (exec, env, cwd, user, group,
   limits, gpus, title, numa, cgroup limits, worker-group keys and membership): stopped
   and started with the new definition; units that require it follow as after any
-  restart;
+  restart; a unit with `update = "rolling"` and several instances is rolled instead
+  (`OperatorRequests.roll`): `max_unavailable` instances at a time, its dependents kept;
 - updated: only supervision settings changed: it keeps running (same pid) and the new
   settings apply from now on;
 - unchanged: not touched.
@@ -30,7 +31,7 @@ from omnid.core.centre import Centre
 from omnid.core.lifecycle import Goal, UnitState
 from omnid.core.runtime import RestartBook, UnitRuntime
 from omnid.output import UnitOutput
-from omnid.units import ReadyKind, Stack
+from omnid.units import ReadyKind, Stack, UpdatePolicy
 from omnid.units import Unit as UnitSpec
 
 log = structlog.get_logger("omnid.reload")
@@ -43,7 +44,7 @@ SUPERVISION_KEYS = frozenset({
     "description", "role", "restart", "restart_sec", "restart_max_sec", "start_limit_burst",
     "start_limit_interval", "ready_timeout", "stop_timeout", "kill_timeout", "drain_timeout", "capture_timeout",
     "watchdog_sec", "liveness", "ready", "after", "requires", "gpu_min_free_mib", "stop_signal", "drain",
-    "progress", "ready_interval", "kill_mode", "leftover_timeout", "remove_ipc",
+    "progress", "ready_interval", "kill_mode", "leftover_timeout", "remove_ipc", "update", "max_unavailable",
 })
 # Daemon settings a running daemon cannot change (its sockets, files and cgroup root).
 FIXED_SETTINGS = ("control", "state_dir", "health_listen", "cgroup_root", "log_format", "cluster", "exit_when_failed")
@@ -124,6 +125,28 @@ def plan(old: Stack, new: Stack, sources: dict[str, str] | None = None) -> Plan:
     return p
 
 
+def rolled_units(old: Stack, new: Stack, p: Plan) -> list[str]:
+    """The restarted instances a reload rolls instead of restarting at once: those of a unit
+    with `update = "rolling"` and more than one instance, in the old stack and the new, that
+    is no worker group (a group restarts as one thing) and whose every instance restarts."""
+    by_template: dict[str, list[str]] = {}
+    for n in p.restarted:
+        spec = new.units[n]
+        by_template.setdefault(spec.template, []).append(n)
+    out: list[str] = []
+    for template, names in by_template.items():
+        specs = [new.units[n] for n in names]
+        if any(s.update is not UpdatePolicy.ROLLING or s.worker_group or s.instances < 2 for s in specs):
+            continue
+        if any(old.units[n].worker_group for n in names):
+            continue
+        olds = [u for u in old.units.values() if u.template == template]
+        if len(olds) != len(names) or len(names) != specs[0].instances:  # instances added or removed
+            continue
+        out.extend(sorted(names, key=lambda n: new.units[n].instance))
+    return out
+
+
 def _watchdog_note(old: UnitSpec, new: UnitSpec) -> str:
     gains_notify = old.ready.kind is not ReadyKind.NOTIFY and new.ready.kind is ReadyKind.NOTIFY
     if gains_notify and new.watchdog_sec > 0:
@@ -152,7 +175,9 @@ class Reloader:
         self.sup = sup
         self.running_since: float | None = None
 
-    async def apply(self, new: Stack, p: Plan, timeout: float | None) -> list[dict]:
+    async def apply(self, new: Stack, p: Plan, timeout: float | None) -> tuple[list[dict], str]:
+        """Carry the plan out; returns the snapshots of what it started and why a roll
+        stopped ("" when none did)."""
         sup = self.sup
         if sup.shutting_down:
             raise ReloadError("shutting_down", "the stack is stopping; reload refused (nothing changed)")
@@ -165,25 +190,35 @@ class Reloader:
         finally:
             self.running_since = None
 
-    async def _apply(self, new: Stack, p: Plan, timeout: float | None) -> list[dict]:
+    async def _apply(self, new: Stack, p: Plan, timeout: float | None) -> tuple[list[dict], str]:
         sup = self.sup
         deadline = None if timeout is None else time.monotonic() + timeout
         log.info("reload", added=p.added, removed=p.removed, restarted=sorted(p.restarted), updated=sorted(p.updated))
         for name in p.updated:  # first: a unit that stops requiring a removed one must not stop with it
             self._update(sup.units[name], new.units[name], p.notes.get(name, ""))
-        took_down = sup.requests.dependents_up(list(p.restarted))
-        stopping = [*p.removed, *p.restarted]
+        rolled = rolled_units(sup.stack, new, p)
+        restarted = [n for n in p.restarted if n not in rolled]
+        took_down = sup.requests.dependents_up(restarted)
+        stopping = [*p.removed, *restarted]
         if stopping:
             await sup.requests.stop_units(stopping, timeout)
+        old_specs = {n: sup.units[n].spec for n in rolled}
         self._swap(new, p)
-        starting = [*p.added, *p.restarted]
+        for n, spec in old_specs.items():  # until the roll reaches it, an instance runs its old spec
+            sup.units[n].spec = spec
+        starting = [*p.added, *restarted]
         for name in starting:
             sup.units[name].goal = Goal.ACTIVE
         back = [n for n in sup.order if n in starting or n in took_down]
-        if not back:
-            return []
+        out: list[dict] = []
+        if back:
+            left = None if deadline is None else max(0.1, deadline - time.monotonic())
+            out = await sup.requests.start_units(back, left)
+        if not rolled:
+            return out, ""
         left = None if deadline is None else max(0.1, deadline - time.monotonic())
-        return await sup.requests.start_units(back, left)
+        units, why = await sup.requests.roll(rolled, left, {n: new.units[n] for n in rolled})
+        return out + units, why
 
     def _update(self, rt: UnitRuntime, spec: UnitSpec, note: str) -> None:
         """New supervision settings for a running unit: from now on, same process."""

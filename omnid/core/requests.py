@@ -12,6 +12,7 @@ from omnid.control import ControlError
 from omnid.core.lifecycle import Goal, UnitState
 from omnid.termination import StopRecord
 from omnid.core.centre import Centre
+from omnid.units import Unit as UnitSpec
 
 
 S = UnitState
@@ -105,6 +106,7 @@ class OperatorRequests:
         for n in closure:
             rt = self.units[n]
             rt.goal = Goal.ACTIVE
+            rt.rolling = False  # an operator's start: it counts for its dependents again
             book = rt.book
             book.gave_up = False
             book.start_times.clear()
@@ -129,6 +131,7 @@ class OperatorRequests:
         for n in targets:
             rt = self.units[n]
             rt.goal = Goal.INACTIVE
+            rt.rolling = False
             rt.book.restart_pending = False
         claims = self._claim(targets, "stop")
         sup.kick()
@@ -152,6 +155,87 @@ class OperatorRequests:
         left = None if deadline is None else max(0.1, deadline - time.monotonic())
         await self._wait(claims, lambda: all(sup.schedule.settled_up(self.units[n]) for n in back), left)
         return [self.units[n].snapshot() for n in back]
+
+    def roll_refusal(self, names: list[str]) -> str | None:
+        """Why these units cannot be rolled (None: they can): a worker group is one thing."""
+        for n in self.sup.expand(names, whole_groups=False):
+            spec = self.units[n].spec
+            if spec.instances < 2:
+                return (f"{n} has one instance: a roll keeps the others up while one is replaced, and "
+                        f"there are none; use omnid restart {n} (without --rolling)")
+            g = spec.worker_group
+            if g:
+                return (f"{n} is a member of worker group {g}: a group restarts as one thing and is not "
+                        f"rolled; use omnid restart {n} (without --rolling)")
+        return None
+
+    async def roll(self, names: list[str], timeout: float | None = None,
+                   specs: dict[str, UnitSpec] | None = None) -> tuple[list[dict], str]:
+        """Rolling restart: the instances of the named units, `max_unavailable` at a time, each
+        next batch only once the new ones are active (ready). Units that require them are not
+        stopped (`rolling` keeps an instance out of their `down`): the siblings serve them.
+        `specs`: a reload's new definitions, put in force instance by instance. A new instance
+        that does not become active stops the roll: it stays failed (its restart policy does not
+        retry the new spec) and the instances not reached keep running as they are. Returns
+        the instances' snapshots and why the roll stopped ("" when it went through)."""
+        sup = self.sup
+        targets = sup.expand(names, whole_groups=False)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        units = self.units
+        step = max(1, min((specs or {}).get(n, units[n].spec).max_unavailable for n in targets))
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.1, deadline - time.monotonic())
+
+        for i in range(0, len(targets), step):
+            batch = targets[i:i + step]
+            for n in batch:
+                rt = units[n]
+                rt.rolling = True
+                rt.goal = Goal.INACTIVE
+                rt.book.restart_pending = False
+            claims = self._claim(batch, "restart --rolling")
+            sup.kick()
+            await self._wait(claims, lambda: all(sup.schedule.settled_down(units[n]) for n in batch), left())
+            started: dict[str, int] = {}
+            for n in batch:
+                rt = units[n]
+                if specs is not None and n in specs:
+                    rt.spec = specs[n]
+                rt.goal = Goal.ACTIVE
+                rt.start_requested = True
+                book = rt.book
+                book.gave_up, book.consecutive_failures, book.ever_up = False, 0, False
+                book.start_times.clear()
+                started[n] = book.generation
+            claims = self._claim(batch, "restart --rolling")
+            sup.kick()
+
+            def came(n: str) -> bool:  # this roll's start of n is over: active, or failed
+                rt = units[n]
+                if rt.busy:
+                    return False
+                if rt.book.generation > started[n] and rt.state in (S.ACTIVE, S.FAILED):
+                    return True
+                return rt.state is S.INACTIVE and sup.schedule.stuck(rt)
+
+            await self._wait(claims, lambda: all(came(n) for n in batch), left())
+            failed = [n for n in batch if units[n].state is not S.ACTIVE]
+            for n in batch:
+                if n not in failed:
+                    units[n].rolling = False
+            if failed:
+                for n in failed:
+                    rt = units[n]
+                    rt.book.restart_pending = False
+                    rt.book.gave_up = True  # the new spec is not retried: `omnid start` does
+                    rt.reason = f"rolling restart stopped here: {rt.reason or rt.state.value}"
+                rest = targets[i + step:]
+                why = (f"rolling restart stopped: {'; '.join(f'{n}: {units[n].reason}' for n in failed)}"
+                       + (f"; not restarted, still running as before: {', '.join(rest)}" if rest else ""))
+                sup.notify_changed()
+                return [units[n].snapshot() for n in targets], why
+        return [units[n].snapshot() for n in targets], ""
 
     def kill_unit(self, name: str, sig: int) -> list[str]:
         out = []

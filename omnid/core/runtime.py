@@ -104,6 +104,9 @@ class UnitRuntime:
     start_requested: bool = False  # an operator's start is pending: the next start is no automatic restart
     private_tmp: str = ""  # the instance's TMPDIR (omnid.privatetmp); "" = none
     ipc_removed: list[str] = field(default_factory=list)  # IPC objects removed when it was last gone
+    # Taken out by a rolling restart (omnid.core.requests.roll): its dependents do not count it
+    # as down, since its sibling instances serve them; cleared by the next operator start/stop.
+    rolling: bool = False
 
     @property
     def name(self) -> str:
@@ -165,7 +168,8 @@ class UnitRuntime:
                    proc=None if self.proc is None else self.proc.to_json(),
                    last_stop=None if self.last_stop is None else self.last_stop.to_json(),
                    start_requested=self.start_requested,
-                   private_tmp=self.private_tmp, ipc_removed=list(self.ipc_removed))
+                   private_tmp=self.private_tmp, ipc_removed=list(self.ipc_removed),
+                   rolling=self.rolling)
         return out
 
     def load_json(self, d: dict[str, Any]) -> None:
@@ -186,3 +190,4 @@ class UnitRuntime:
         # Absent in a record of a program without them: nothing to take over.
         self.private_tmp = str(d.get("private_tmp", ""))
         self.ipc_removed = [str(x) for x in d.get("ipc_removed", [])]
+        self.rolling = bool(d.get("rolling", False))

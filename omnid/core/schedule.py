@@ -34,6 +34,8 @@ class Schedule:
         `failed` is published before its dependents begin to stop. planned=False: only what
         is not active any more counts, not a goal of `inactive` (a planned stop waits for
         its dependents, so it takes nothing from under them yet)."""
+        if rt.rolling:  # a rolling restart keeps its siblings up: dependents stay
+            return False
         if rt.state is not S.ACTIVE or (planned and rt.goal is Goal.INACTIVE):
             return True
         if rt.name in seen:

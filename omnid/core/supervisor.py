@@ -365,6 +365,7 @@ class Supervisor:
         """A state change is out: the log, the event socket, waiters, the invariant check.
         `pid`: the main process the change concerns (the one that died, for `failed`)."""
         if rt.state is S.ACTIVE:
+            rt.rolling = False  # back in service: a roll's exemption ends (also when its waiter timed out)
             rt.ready = True
             rt.active_since = time.monotonic()
             rt.book.ever_up = True

@@ -256,7 +256,6 @@ def _serve_fault(stack_factory, row: str, sig: int, load: bool, restart: str = "
             assert signal.Signals(sig).name in d.http("/health")[1]["units"]["serve"]["reason"]
         else:
             wait_for(lambda: d.http("/health")[0] == 200, 60, "the serve back by itself")
-        deaths.close()
         figures = {"failed_ms": round(ms, 1)}
         finish(row, ld, fault, **figures)
 

@@ -77,6 +77,9 @@ def unit_toml(python: Path | str, model: Path | str, port: int, *, stall_sec: in
         "ready_timeout = 400",
         "restart = \"on-failure\"",
         "restart_sec = 1",
+        # One module-scoped stack takes a fault per row: the backoff doubling to its default
+        # 60 s cap would cost a minute a row from the 7th restart on.
+        "restart_max_sec = 2",
         "start_limit_burst = 30",
         "start_limit_interval = 3600",
         "stop_timeout = 60",

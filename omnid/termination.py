@@ -152,8 +152,8 @@ class ProcessGroupTarget:
             if pid in self.mains:
                 continue
             st = linux.read_stat(pid)
-            if st is None or st.pgid != self.h.pgid:
-                continue
+            if st is None or st.pgid != self.h.pgid or not _tagged(pid, self.name, self.token):
+                continue  # untagged: the number may be a stranger's group now
             fd = linux.open_checked_pidfd(pid, st.start_time)
             if fd is None:
                 continue

@@ -276,6 +276,8 @@ class Supervisor:
         # leftovers can take (0.3-0.7 s on a loaded host), which would hold the failure's
         # report; the list is read only where the GPU check needs their pids.
         if target.empty():
+            # The main process alone held the unit: its GPU memory is what a restart waits for.
+            self.executor.of(rt).dead_pids = [h.pid] if self.gpu_on() else []
             return False, ""
         left = target.members() if self.gpu_on() else []
         self.executor.of(rt).dead_pids = [h.pid, *(s.pid for s in left)] if self.gpu_on() else []

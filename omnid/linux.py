@@ -242,29 +242,27 @@ class ProcStat(NamedTuple):
     start_time: int  # clock ticks since boot; with pid it names a process uniquely
 
 
-def read_stat_fields(pid: int) -> list[bytes] | None:
-    """The fields of /proc/PID/stat after "(comm)" (fields[0] is the state), or None."""
+def _read_raw_stat(pid: int) -> bytes:
+    """/proc/PID/stat's bytes, b"" when the process is gone. os-level I/O: no file object, on
+    the spawner's path for every child."""
     try:
         fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            raw = os.read(fd, 4096)
+            return os.read(fd, 4096)
         finally:
             os.close(fd)
     except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
+        return b""
+
+
+def read_stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of /proc/PID/stat after "(comm)" (fields[0] is the state), or None."""
+    raw = _read_raw_stat(pid)
     return raw[raw.rindex(b")") + 2 :].split() if raw else None
 
 
 def read_stat(pid: int) -> ProcStat | None:
-    try:
-        # os-level I/O: no file object, on the spawner's path for every child.
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            raw = os.read(fd, 4096)
-        finally:
-            os.close(fd)
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
+    raw = _read_raw_stat(pid)
     if not raw:
         return None
     # comm may contain spaces and parentheses: split on the last ')'.

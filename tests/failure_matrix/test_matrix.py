@@ -507,8 +507,9 @@ def test_fm21_crash_loop_backs_off_then_fails_for_good(stack_factory):
     t = [datetime.fromisoformat(x).timestamp() for x in starts]
     gaps = [b - a for a, b in zip(t, t[1:])]
     # 0.1, 0.2, 0.4 (+ up to a quarter of jitter): backoff. The first gap can carry the daemon's
-    # own start-up work (the first tier starts before its heavy imports): compare the ends.
-    assert gaps[-1] >= 0.35 and gaps[-1] > gaps[0] + 0.15, gaps
+    # own start-up work (the first tier starts before its heavy imports, the IPC watch's thread):
+    # compare the last two, which come after it (0.2-0.25 s, then 0.4-0.5 s).
+    assert gaps[-1] >= 0.35 and gaps[-1] > gaps[1] + 0.1, gaps
     code, body = d.http("/health")
     assert code == 503 and "start limit" in body["units"]["crasher"]["reason"]
     assert "exited with code 3" in body["units"]["crasher"]["reason"]

@@ -506,7 +506,7 @@ def test_fm21_crash_loop_backs_off_then_fails_for_good_and_goes_idle(tmp_path, d
         assert gap >= delay - 0.01, gaps
     # Doubling, seen end to end: the first gap can carry the daemon's own start-up work (the
     # first tier starts before the daemon's heavy imports), so compare the ends.
-    assert gaps[2] > gaps[0] + 0.15, gaps
+    assert gaps[2] > gaps[1] + 0.1, gaps  # the last two: after the start-up work
     body = wait_for(lambda: health_names(d, "crashy", "start limit"), 5, "/health saying why")
     assert body["status"] == "failed"
 

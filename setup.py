@@ -1,4 +1,4 @@
-"""The one compiled part of omnid: the spawner's path from fork to exec (omnid/_spawnc.c).
+"""The one compiled part of omnid: the spawner's path from fork to exec (omnid/process/_spawnc.c).
 
 Optional: where no C compiler or Python headers are, the build says so and goes on, and the
 spawner runs its Python path instead (slower between fork and exec, the same guarantees).
@@ -10,8 +10,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "omnid._spawnc",
-            ["omnid/_spawnc.c"],
+            "omnid.process._spawnc",
+            ["omnid/process/_spawnc.c"],
             optional=True,
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers"],
         )

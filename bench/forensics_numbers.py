@@ -19,7 +19,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from omnid import helperproc  # noqa: E402
-from omnid.forensics import DEFAULT_BUDGET_S, DEFAULT_MAX_BYTES, capture, find_py_spy, json_size  # noqa: E402
+from omnid.forensics.capture import DEFAULT_BUDGET_S, DEFAULT_MAX_BYTES, capture, find_py_spy, json_size  # noqa: E402
 from tests import hung  # noqa: E402
 from tests.harness import wait_for  # noqa: E402
 

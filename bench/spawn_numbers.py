@@ -26,7 +26,7 @@ if __name__ == "__main__" and not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import build_child, cpu_ns  # noqa: E402
-from omnid.spawnclient import SpawnerClient, SpawnRequest  # noqa: E402
+from omnid.process.spawnclient import SpawnerClient, SpawnRequest  # noqa: E402
 
 
 def _starts(stamps: Path) -> list[int]:

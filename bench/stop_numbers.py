@@ -17,7 +17,7 @@ from tests.harness import Daemon, wait_for
 
 
 def unit_pids(d: Daemon) -> list[int]:
-    from omnid.linux import children_of
+    from omnid.base.linux import children_of
 
     out, todo = [], [u["pid"] for u in d.units().values() if u["pid"]]
     while todo:

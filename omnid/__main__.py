@@ -1,5 +1,5 @@
 import sys
 
-from omnid.cli import main
+from omnid.cli.main import main
 
 sys.exit(main())

@@ -26,7 +26,7 @@ import structlog
 
 from omnid.cluster.group import ClusterGroup, GroupDown, GroupRefused
 from omnid.cluster.session import ClusterRefused, ClusterSession
-from omnid.cluster.settings import ClusterSettings, Endpoint
+from omnid.model.cluster import ClusterSettings, Endpoint
 
 # A member: dies with the agent (PR_SET_PDEATHSIG = 1, SIGKILL), then sleeps.
 MEMBER = ("import ctypes, os, sys, time\n"

@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from omnid import linux
+from omnid.base import linux
 from tests.harness import Daemon
 
 LEAK_GRACE_S = 10.0

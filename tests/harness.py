@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import zmq
 
-from omnid import linux
+from omnid.base import linux
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -52,7 +52,7 @@ def cgroup2_for_tests() -> tuple[str | None, str]:
     """(a cgroup v2 mount where the tests can make cgroups, "") or (None, what is missing):
     root, a cgroup2 mount, and that mount and its cgroup.procs writable. The one condition
     every cgroup test skips on, so that they agree on a host."""
-    from omnid.cgroup import cgroup2_mounts
+    from omnid.process.cgroup import cgroup2_mounts
 
     if os.geteuid() != 0:
         return None, "needs root to create cgroups"
@@ -103,7 +103,7 @@ def remove_cgroup_tree(path: str | None, timeout: float = 10.0) -> None:
     populated 0, rmdir bottom-up. Fails loudly when it cannot."""
     if not path or not os.path.isdir(path):
         return
-    from omnid import cgroup as cgm
+    from omnid.process import cgroup as cgm
 
     for dirpath, _d, _f in os.walk(path, topdown=False):
         if dirpath != path and cgm.populated(dirpath):

@@ -19,8 +19,8 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from omnid import linux
-from omnid.forensics import Member
+from omnid.base import linux
+from omnid.forensics.capture import Member
 from tests.harness import wait_for
 
 SPIN = textwrap.dedent("""

@@ -8,9 +8,9 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable
 
-from omnid.spawnclient import SpawnerClient
+from omnid.process.spawnclient import SpawnerClient
 from omnid.core.supervisor import Supervisor
-from omnid.units import load_stack
+from omnid.model.units import load_stack
 from tests.harness import make_stack
 
 SLEEPER = '''

@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from omnid import cgroup as cgm
+from omnid.process import cgroup as cgm
 from tests.harness import Daemon, cgroup2_for_tests, make_stack, remove_cgroup_tree, wait_for
 
 MOUNTS = cgm.cgroup2_mounts()
@@ -356,7 +356,7 @@ def test_health_and_units_name_the_cgroup_backend(daemon_factory, cg_root):
 # ---------------------------------------------------------------- unit keys
 
 def test_memory_max_and_tasks_max_parse_with_systemd_units():
-    from omnid.units import load_stack
+    from omnid.model.units import load_stack
     stack = load_stack(make_stack({"a": 'exec = ["true"]\nmemory_max = "8G"\ntasks_max = 64\n',
                                    "b": 'exec = ["true"]\nmemory_max = "infinity"\n'}))
     assert stack.units["a"].memory_max == 8 << 30 and stack.units["a"].tasks_max == 64
@@ -364,7 +364,7 @@ def test_memory_max_and_tasks_max_parse_with_systemd_units():
 
 
 def test_a_bad_memory_max_names_file_and_key():
-    from omnid.units import StackInvalid, load_stack
+    from omnid.model.units import StackInvalid, load_stack
     with pytest.raises(StackInvalid) as ei:
         load_stack(make_stack({"a": 'exec = ["true"]\nmemory_max = "8X"\n'}))
     assert any("memory_max" in str(e) and "a.toml" in str(e) for e in ei.value.errors)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from omnid import settings
+from omnid.model import settings
 from tests.harness import REPO, free_port, make_stack, repo_pythonpath, wait_for
 
 PY = sys.executable
@@ -326,8 +326,8 @@ def test_every_command_and_option_of_help_is_in_omnid_8():
     options, is in the page (the hidden __complete is the completion script's, not a user's)."""
     import argparse
 
-    from omnid.cli import build_parser
-    from omnid.completion import _subcommands
+    from omnid.cli.main import build_parser
+    from omnid.cli.completion import _subcommands
 
     man = (REPO / "man" / "omnid.8").read_text().replace("\\-", "-")
     missing = []

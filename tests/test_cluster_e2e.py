@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from omnid import linux
+from omnid.base import linux
 from omnid.demo import rankprogress
 from tests.harness import Daemon, alive, free_port, temp_dir, wait_for
 from tests.netns import HostDaemon, Testbed, ranks_stack, unavailable

@@ -20,7 +20,7 @@ from omnid.cluster.group import ClusterGroup, Generation, GroupDown, Phase  # no
 from omnid.cluster.peers import DownNotice, PeerView  # noqa: E402
 from omnid.cluster.session import ClusterSession  # noqa: E402
 from omnid.core.crosshost import read_handover  # noqa: E402
-from omnid.units import load_stack  # noqa: E402
+from omnid.model.units import load_stack  # noqa: E402
 
 
 def _stack(tmp_path, port: int):

@@ -18,8 +18,8 @@ import pytest
 from omnid.cluster import keys as K
 from omnid.cluster.fencing import Action, judge
 from omnid.cluster.peers import MAGIC, DownNotice, PeerLink, PeerView, derive_key
-from omnid.cluster.settings import ClusterSettings, Endpoint, parse_cluster
-from omnid.units import check_stack, load_stack
+from omnid.model.cluster import ClusterSettings, Endpoint, parse_cluster
+from omnid.model.units import check_stack, load_stack
 
 
 # ------------------------------------------------------------------ settings

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from omnid import linux
+from omnid.base import linux
 from tests.harness import REPO, alive, make_stack, wait_for
 
 PY = sys.executable
@@ -222,7 +222,7 @@ def hook(event, args):
         raise RuntimeError("the daemon must never fork")
 sys.addaudithook(hook)
 sys.argv = ["omnid", *sys.argv[2:]]
-from omnid.cli import main
+from omnid.cli.main import main
 sys.exit(main())
 """
 
@@ -260,7 +260,7 @@ def test_only_the_spawner_forks_never_the_daemon(tmp_path, daemon_factory):
 
 REFUSE = """
 import json, os, socket, sys, threading, time
-from omnid.spawner import Spawner
+from omnid.process.spawner import Spawner
 ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 stop = threading.Event()
 t = threading.Thread(target=stop.wait)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from omnid import linux
+from omnid.base import linux
 from tests.engines import vllm_env
 from tests.engines.vllm_stack import (Load, abort_storm, Tree, complete, full_tree, metrics, serves,
                                       signal_proc, tree_of, unit_toml, vllm_health)

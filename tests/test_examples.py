@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from omnid.units import ReadyKind, load_stack
+from omnid.model.units import ReadyKind, load_stack
 from tests.harness import REPO
 
 STACKS = [REPO / "units" / "demo",

@@ -1,5 +1,5 @@
-"""The spawner's two paths from fork to exec (omnid/spawner.py): the compiled one
-(omnid/_spawnc.c, a vfork child in C) and the Python one (a forked child running Python).
+"""The spawner's two paths from fork to exec (omnid/process/spawner.py): the compiled one
+(omnid/process/_spawnc.c, a vfork child in C) and the Python one (a forked child running Python).
 Each child is checked in /proc, as the kernel sees it; the failures must read the same on
 both paths, word for word, since operators and the restart policy read them."""
 
@@ -20,13 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from omnid import linux, numa
-from omnid.spawnclient import SpawnError, SpawnRequest
+from omnid.base import linux
+from omnid.process import numa
+from omnid.process.spawnclient import SpawnError, SpawnRequest
 from tests.harness import make_stack, wait_for
 from tests.test_spawner import Run
 
 try:
-    from omnid import _spawnc
+    from omnid.process import _spawnc
 except ImportError:
     _spawnc = None
 
@@ -220,7 +221,8 @@ def test_the_compiled_path_is_built_wherever_a_c_compiler_is():
 
 CHILD_WITHOUT_PIDFD = r"""
 import errno, json, os, signal, socket, sys, time
-from omnid import linux, spawner
+from omnid.base import linux
+from omnid.process import spawner
 ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 sp = spawner.Spawner(theirs, os.getppid())
 sp.reset_signals = ()

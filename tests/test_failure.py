@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from omnid import linux
+from omnid.base import linux
 from tests.harness import alive, free_port, make_stack, wait_for
 
 PY = sys.executable

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from omnid import linux
-from omnid.process import UNIT_TAG
+from omnid.base import linux
+from omnid.process.handle import UNIT_TAG
 from tests.harness import make_stack, wait_for
 
 SLEEP = 'exec = ["sleep", "1000"]\nstop_timeout = 2\nkill_timeout = 1\n'

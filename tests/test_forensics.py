@@ -13,9 +13,10 @@ import time
 
 import pytest
 
-from omnid import helperproc, linux
-from omnid.capturestore import CaptureStore, escape
-from omnid.forensics import Capture, Member, ProcessDump, capture, find_py_spy, summarize
+from omnid.forensics import helper as helperproc
+from omnid.base import linux
+from omnid.forensics.store import CaptureStore, escape
+from omnid.forensics.capture import Capture, Member, ProcessDump, capture, find_py_spy, summarize
 from tests import hung
 from tests.harness import wait_for
 
@@ -321,7 +322,7 @@ def test_dump_requests_with_bad_arguments_get_clear_errors(daemon_factory):
 
 
 def test_capture_timeout_is_read_and_bounded():
-    from omnid.units import check_stack, load_stack
+    from omnid.model.units import check_stack, load_stack
     from tests.harness import make_stack
 
     stack = make_stack({"a": 'exec = ["true"]\n', "b": 'exec = ["true"]\ncapture_timeout = 0\n'})

@@ -16,7 +16,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from omnid.units import UNIT_KEYS, UnitFileError, check_stack
+from omnid.model.units import UNIT_KEYS, UnitFileError, check_stack
 from tests.harness import Daemon, make_stack, repo_pythonpath
 
 UNIT_CASES = 400

@@ -214,7 +214,7 @@ def _write(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 def test_worker_group_members_in_rank_order_and_instance_count(tmp_path):
-    from omnid.units import load_stack
+    from omnid.model.units import load_stack
 
     stack = load_stack(_write(tmp_path, {"rank.toml": (
         'exec = ["date", "+%s.%N"]\ninstances = 12\nworker_group = "tp"\n'
@@ -238,7 +238,7 @@ def test_worker_group_members_in_rank_order_and_instance_count(tmp_path):
     ({"a.toml": 'exec = ["a"]\nworker_group = "g"\ntorch_distributed = "yes"\n'}, "torch_distributed", "expected true"),
 ])
 def test_worker_group_mistakes_are_named(tmp_path, files, key, words):
-    from omnid.units import check_stack
+    from omnid.model.units import check_stack
 
     errors = check_stack(_write(tmp_path, files))
     assert any(e.key == key and words in e.message for e in errors), [str(e) for e in errors]

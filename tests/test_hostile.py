@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from omnid import linux
+from omnid.base import linux
 from tests.harness import Daemon, alive, make_stack, repo_pythonpath, wait_for
 
 PY = sys.executable
@@ -142,7 +142,7 @@ def test_state_file_pid_with_matching_start_time_but_no_token_is_not_killed(daem
 
 
 def test_state_file_write_does_not_follow_a_planted_symlink(tmp_path):
-    from omnid.statefile import StateFile
+    from omnid.daemon.statefile import StateFile
 
     victim = tmp_path / "victim"
     victim.write_text("precious")
@@ -512,7 +512,7 @@ def test_unit_file_swap_by_the_owner_of_a_parent_directory_never_reaches_root(ot
     """A user who owns a directory above a root-owned stack swaps the stack for her own
     between root's ownership check and its read (TOCTOU), running as that user (setpriv).
     Every load must be refused, naming the directory she owns, and never return her exec."""
-    from omnid.units import StackInvalid, load_stack
+    from omnid.model.units import StackInvalid, load_stack
 
     base = make_stack({"x": SLEEPER["a"]})  # a root-owned temporary directory
     os.chmod(base, 0o755)

@@ -53,7 +53,7 @@ def test_events_starts_with_each_units_state_as_of_its_change_never_none(daemon_
 
 
 def test_event_lines_render_a_change_and_a_current_state():
-    from omnid.render import format_event
+    from omnid.cli.render import format_event
 
     ts = datetime(2026, 1, 2, 3, 4, 5, 678000).timestamp()
     assert format_event({"ts": ts, "unit": "w@0", "pid": 7, "from": "starting", "to": "active",

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from omnid import numa
-from omnid.units import NumaMode, load_stack
+from omnid.process import numa
+from omnid.model.units import NumaMode, load_stack
 from tests.harness import REPO, make_stack, wait_for
 
 GPU0 = "GPU-7f57f032-34ab-a064-c37c-7a4f75601cc5"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from omnid import settings
+from omnid.model import settings
 from tests.harness import REPO, Daemon, free_port, make_stack, wait_for
 
 PY = sys.executable
@@ -308,13 +308,13 @@ def test_a_child_flooding_stdout_neither_stalls_health_nor_grows_the_daemon(tmp_
 
 
 def test_daemon_log_rotates_by_size_and_stays_private(tmp_path):
-    from omnid import logconfig
+    from omnid.base import logconfig
 
     path = tmp_path / "daemon.log"
     code = (f"import os, sys\n"
             f"fd = os.open({str(path)!r}, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)\n"
             f"os.dup2(fd, 2); os.dup2(fd, 1)\n"
-            f"from omnid import logconfig\n"
+            f"from omnid.base import logconfig\n"
             f"logconfig.configure('json', log_file={str(path)!r}, max_bytes=20000)\n"
             f"import structlog\n"
             f"log = structlog.get_logger('t')\n"
@@ -372,7 +372,7 @@ def test_events_prints_the_current_state_first_then_changes(tmp_path, daemon_fac
 
 
 def test_every_option_has_help_and_version_prints():
-    from omnid.cli import build_parser
+    from omnid.cli.main import build_parser
 
     p = build_parser()
     missing = []

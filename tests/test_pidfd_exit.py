@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from omnid import linux
+from omnid.base import linux
 from tests.harness import make_stack, wait_for
 
 

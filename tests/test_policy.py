@@ -12,7 +12,7 @@ from datetime import datetime
 
 from omnid.core import policy
 from omnid.core.runtime import RestartBook
-from omnid.units import load_stack
+from omnid.model.units import load_stack
 from tests.harness import REPO, free_port, make_stack, repo_pythonpath, temp_dir, wait_for
 
 PY = sys.executable

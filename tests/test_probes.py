@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from omnid import linux, promtext
+from omnid.base import linux
+from omnid.base import promtext
 from omnid.core.progress import StallRule
-from omnid.unitmodel import Progress
+from omnid.model.unitmodel import Progress
 from tests.harness import alive, free_port, make_stack, wait_for
 
 PY = sys.executable

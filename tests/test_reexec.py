@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from omnid import linux
+from omnid.base import linux
 from tests.harness import REPO, Daemon, alive, cgroup2_for_tests, make_stack, repo_pythonpath, temp_dir, wait_for
 
 CGROUP2, CGROUP2_MISSING = cgroup2_for_tests()  # the same condition as tests/test_cgroup.py
@@ -243,7 +243,7 @@ def test_a_new_program_that_does_not_start_is_refused_and_nothing_changes(daemon
     d = daemon_factory(make_stack({"a": SLEEP}), cwd=tree, env={"PYTHONPATH": str(tree)})
     d.wait_all_active()
     before = ids(d)
-    (tree / "omnid" / "cli.py").write_text("raise SystemExit('broken upgrade')\n")
+    (tree / "omnid" / "cli" / "main.py").write_text("raise SystemExit('broken upgrade')\n")
     r = reexec(d)  # this CLI is the good one; the daemon's `omnid --version` runs the broken tree
     assert r.returncode == 1 and "the new program does not start" in r.stderr and "broken upgrade" in r.stderr, \
         r.stdout + r.stderr
@@ -307,7 +307,7 @@ def test_reexec_keeps_worker_groups_and_user_units(daemon_factory):
 
 @pytest.mark.skipif(CGROUP2 is None, reason=CGROUP2_MISSING)
 def test_reexec_under_the_cgroup_backend_keeps_each_units_cgroup(daemon_factory):
-    from omnid import cgroup as cgm
+    from omnid.process import cgroup as cgm
 
     root = os.path.join(CGROUP2, f"omnid-rx-{os.getpid()}-{time.monotonic_ns()}")
     d = daemon_factory(make_stack({"a": SLEEP, "b": SLEEP}), cgroup_root=root)

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from omnid import linux
+from omnid.base import linux
 from omnid.core.reload import plan
-from omnid.units import load_stack
+from omnid.model.units import load_stack
 from tests.harness import REPO, alive, cgroup2_for_tests, make_stack, repo_pythonpath, wait_for
 
 CGROUP2, CGROUP2_MISSING = cgroup2_for_tests()  # the same condition as tests/test_cgroup.py

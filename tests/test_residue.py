@@ -388,7 +388,7 @@ def test_postgres_sigkilled_under_omnid_leaves_no_sysv_segment_nor_dsm(daemon_fa
 
 
 def test_private_tmp_removal_refuses_a_replaced_directory_and_stops_at_its_bound():
-    from omnid import privatetmp
+    from omnid.process import privatetmp
 
     d = privatetmp.create("bound", None, None)
     try:

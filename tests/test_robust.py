@@ -13,8 +13,8 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from omnid import linux
-from omnid.control import ControlServer
+from omnid.base import linux
+from omnid.api.control import ControlServer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -253,7 +253,8 @@ def test_scrape_flood_does_not_delay_death_on_health(busy_host):
 # ------------------------------------------------------------------ the spawner's receive
 SPAWNER_RECV = r"""
 import errno, json, os, resource, socket, sys
-from omnid import linux, spawner
+from omnid.base import linux
+from omnid.process import spawner
 ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 sp = spawner.Spawner(theirs, os.getppid())
 out = {}
@@ -313,7 +314,7 @@ def test_kill_of_an_unowned_child_waits_for_room_on_a_full_socket_instead_of_bei
     child ran with no pidfd and no unit."""
     import socket
 
-    from omnid.spawnclient import SpawnError, SpawnerClient
+    from omnid.process.spawnclient import SpawnError, SpawnerClient
 
     async def main():
         client = SpawnerClient(lambda r: None, lambda: None)
@@ -356,7 +357,7 @@ def test_kill_of_an_unowned_child_waits_for_room_on_a_full_socket_instead_of_bei
 def test_new_program_check_reads_a_large_output_as_it_comes(monkeypatch):
     """Old: `--version`'s output was read only after the program exited; one that prints more
     than a pipe holds blocks in write, never exits, and the check timed out."""
-    from omnid import handover
+    from omnid.daemon import handover
 
     monkeypatch.setattr(handover, "program_argv", lambda: [
         sys.executable, "-c", "import sys; sys.stdout.write('omnid 9.9\\n' + 'x' * 200000)", "--"])
@@ -365,7 +366,7 @@ def test_new_program_check_reads_a_large_output_as_it_comes(monkeypatch):
 
 
 def test_new_program_check_that_hangs_is_killed_and_reaped_without_blocking_the_loop(monkeypatch):
-    from omnid import handover
+    from omnid.daemon import handover
 
     """The new reap path (no waitpid that blocks the loop): the killed program is reaped when
     its pidfd says it died. (Old code passed this too: its blocking waitpid was quick here.)"""

@@ -15,7 +15,7 @@ import textwrap
 import threading
 import time
 
-from omnid.units import check_stack
+from omnid.model.units import check_stack
 from tests.harness import REPO, alive, free_port, make_stack, wait_for
 from tests.test_reload import omnid, show, started
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from omnid.units import check_stack
+from omnid.model.units import check_stack
 from tests.clients import Clients
 from tests.harness import REPO, free_port, make_stack, repo_pythonpath, wait_for
 
@@ -305,8 +305,8 @@ def test_gunicorn_on_a_held_socket_restarted_under_load_refuses_nothing(daemon_f
 
 
 def test_a_unix_socket_file_left_over_is_replaced_a_live_one_or_a_plain_file_is_an_error(tmp_path):
-    from omnid.sockets import BindError, HeldSockets
-    from omnid.unitmodel import ListenSocket, Unit
+    from omnid.process.sockets import BindError, HeldSockets
+    from omnid.model.unitmodel import ListenSocket, Unit
 
     def unit(path: Path) -> Unit:
         return Unit(name="u", template="u", instance=0, instances=1, file=tmp_path / "u.toml", exec=("true",),

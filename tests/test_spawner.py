@@ -1,4 +1,4 @@
-"""The spawner's batched protocol (omnid/spawnclient.py, omnid/spawner.py): a tier's spawns
+"""The spawner's batched protocol (omnid/process/spawnclient.py, omnid/process/spawner.py): a tier's spawns
 travel as one request, the answers bring the pidfds together, and what every child gets before
 exec is what it got one spawn at a time (checked in /proc of the real children)."""
 
@@ -12,8 +12,9 @@ import socket
 
 import pytest
 
-from omnid import linux, spawnclient
-from omnid.spawnclient import SpawnError, SpawnerClient, SpawnRequest
+from omnid.base import linux
+from omnid.process import spawnclient
+from omnid.process.spawnclient import SpawnError, SpawnerClient, SpawnRequest
 from tests.harness import wait_for
 
 
@@ -205,7 +206,7 @@ def test_the_daemon_hands_the_spawner_the_program_it_found_and_only_when_it_is_s
     import shutil
 
     from omnid.core.spawning import program_path
-    from omnid.units import load_stack
+    from omnid.model.units import load_stack
     from tests.harness import make_stack
 
     (tmp_path / "bin").mkdir()
@@ -248,7 +249,7 @@ def test_a_pidfd_numbered_above_1024_is_read_by_poll_not_select():
     refuses such fds (ValueError), which failed every unit's stop past that number."""
     import subprocess
 
-    from omnid import linux
+    from omnid.base import linux
 
     child = subprocess.Popen(["sleep", "30"])
     low = os.pidfd_open(child.pid)

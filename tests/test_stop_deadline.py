@@ -98,7 +98,7 @@ def test_a_second_sigterm_during_a_stop_sigkills_every_unit_at_once(daemon_facto
 def test_a_bad_stop_deadline_is_named_with_its_file_and_key():
     import pytest
 
-    from omnid.units import StackInvalid, load_stack
+    from omnid.model.units import StackInvalid, load_stack
 
     for value, says in (("-1", "stop_deadline: expected a number of seconds > 0"),
                         ('"soon"', 'stop_deadline: expected a number of seconds > 0, got string "soon"')):

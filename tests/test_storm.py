@@ -19,7 +19,7 @@ import time
 
 import zmq
 
-from omnid import linux
+from omnid.base import linux
 from tests.harness import make_stack, wait_for
 
 LONG = os.environ.get("OMNID_STORM") == "long"

@@ -10,8 +10,8 @@ import random
 import signal
 import time
 
-from omnid import linux
-from omnid.process import UNIT_TAG
+from omnid.base import linux
+from omnid.process.handle import UNIT_TAG
 from tests.harness import make_stack, wait_for
 
 

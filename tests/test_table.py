@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from omnid.core import lifecycle as lc
-from omnid.unitmodel import KillMode
+from omnid.model.unitmodel import KillMode
 from omnid.core.lifecycle import (ACTION_TYPES, ArmTimer, Capture, Cause, CountStart, DecideRestart, Drain, Event,
                                   Goal, IllegalEvent, Phase, Publish, RecordFailure, Release, ReportUnkillable,
                                   Signal, Spawn, StartMonitors, Step, UnitState, View, WaitRelease, WatchGone,
@@ -363,7 +363,7 @@ def test_feed_moves_the_unit_keeps_its_cause_and_reason_and_hands_every_action_t
     import asyncio
 
     from omnid.core.supervisor import Supervisor
-    from omnid.units import load_stack
+    from omnid.model.units import load_stack
     from tests.harness import make_stack
 
     async def main() -> None:

@@ -14,13 +14,15 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from omnid import health, linux, probes
-from omnid.control import ControlServer
+from omnid.api import health
+from omnid.base import linux
+from omnid.core import probes
+from omnid.api.control import ControlServer
 from omnid.core.lifecycle import Signal, UnitState as S
 from omnid.core.monitors import Monitors
-from omnid.process import ProcessHandle
-from omnid.tasks import DaemonTask
-from omnid.termination import ProcessGroupTarget, terminate
+from omnid.process.handle import ProcessHandle
+from omnid.base.tasks import DaemonTask
+from omnid.process.termination import ProcessGroupTarget, terminate
 from tests import insup
 from tests.harness import alive, free_port
 
@@ -236,7 +238,7 @@ def test_gpu_watch_that_crashes_is_restarted_fake_gpu_no_hardware(monkeypatch, t
     """No GPU on this machine: the GPU backend is the fake one. The real watch loop gets
     an exception injected into its policy once; it is logged, restarted, and then
     publishes the degraded units."""
-    from omnid import daemon as daemon_mod
+    from omnid.daemon import main as daemon_mod
     from omnid.gpu import FakeGpuBackend, watch, write_fake_gpu_file
 
     path = tmp_path / "gpu.json"
@@ -360,8 +362,8 @@ def test_a_stranger_that_reused_a_dead_units_pgid_is_never_signalled():
 def test_leftover_cleanup_uses_the_one_kill_policy_and_skips_a_recycled_pid():
     """terminate_leftovers (for statefile.kill_leftovers): SIGKILL through pidfds, bounded
     wait; an item whose start time no longer matches is not touched."""
-    from omnid.statefile import Leftover
-    from omnid.termination import terminate_leftovers
+    from omnid.daemon.statefile import Leftover
+    from omnid.process.termination import terminate_leftovers
 
     victim = subprocess.Popen(["sleep", "1000"], start_new_session=True)
     bystander = subprocess.Popen(["sleep", "1000"], start_new_session=True)
@@ -385,7 +387,7 @@ def test_leftover_cleanup_uses_the_one_kill_policy_and_skips_a_recycled_pid():
 
 
 def test_spawner_messages_are_decoded_into_typed_values_and_bad_ones_are_named():
-    from omnid.spawnclient import (ExitReport, Hello, ProtocolError, SpawnedMsg, SpawnFailedMsg, SpawnRequest,
+    from omnid.process.spawnclient import (ExitReport, Hello, ProtocolError, SpawnedMsg, SpawnFailedMsg, SpawnRequest,
                                    decode, spawn_wire)
 
     assert decode({"op": "hello", "pid": 5}) == Hello(5)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from omnid.units import KillMode, Liveness, Progress, check_stack, load_stack
+from omnid.model.units import KillMode, Liveness, Progress, check_stack, load_stack
 
 
 def write(directory: Path, text: str, name: str = "engine") -> Path:

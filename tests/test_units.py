@@ -1,4 +1,4 @@
-"""Unit-file parsing (omnid/units.py): the key table of omnid.unit(5)."""
+"""Unit-file parsing (omnid/model/units.py): the key table of omnid.unit(5)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from omnid.units import (
+from omnid.model.units import (
     DaemonSettings,
     Liveness,
     LogFormat,
@@ -256,7 +256,7 @@ def test_malformed_gpus_are_named_errors(tmp_path: Path, value: str, expected: s
 
 
 def test_numa_is_auto_by_default_and_takes_off_or_a_node(tmp_path: Path) -> None:
-    from omnid.units import NumaMode
+    from omnid.model.units import NumaMode
 
     write(tmp_path, {
         "a.toml": 'exec = ["w"]\ngpus = [0]\n',

@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable
 from typing import Any, TypeVar, Union
 
-from omnid.cluster.settings import HOST_NAME
+from omnid.model.cluster import HOST_NAME
 
 T = TypeVar("T")
 Key = Union[str, int]  # an object's key, or a list's index

@@ -32,7 +32,7 @@ import grpc
 import structlog
 from aetcd import rpc, transactions, watcher
 
-from omnid.cluster.settings import ClusterSettings, read_file
+from omnid.model.cluster import ClusterSettings, read_file
 
 log = structlog.get_logger("omnid.cluster")
 

@@ -33,7 +33,7 @@ from omnid.cluster.fencing import Action, judge
 from omnid.cluster.keys import MAX_GENERATION, MAX_HOSTS, MAX_LOCAL_SIZE, MAX_REASON, DownRecord, JoinRecord, \
     current_value, down_value, join_value
 from omnid.cluster.peers import DownNotice
-from omnid.cluster.settings import HOST_NAME
+from omnid.model.cluster import HOST_NAME
 from omnid.cluster.session import ClusterSession
 
 log = structlog.get_logger("omnid.cluster")

@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from omnid.cluster.settings import HOST_NAME
+from omnid.model.cluster import HOST_NAME
 
 log = structlog.get_logger("omnid.cluster")
 

@@ -30,7 +30,7 @@ import structlog
 
 from omnid.cluster import checked
 from omnid.cluster.keys import MAX_GENERATION, MAX_REASON
-from omnid.cluster.settings import HOST_NAME
+from omnid.model.cluster import HOST_NAME
 
 log = structlog.get_logger("omnid.cluster")
 

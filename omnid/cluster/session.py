@@ -26,8 +26,8 @@ from omnid.cluster.etcd import EtcdError, EtcdLink, KV
 from omnid.cluster.keys import HostileLog, HostileValue, HostRecord, KeySpace, host_value, parse_host
 from omnid.cluster.mirror import Entry, Mirror
 from omnid.cluster.peers import DownNotice, PeerLink, PeerLinkRecord
-from omnid.cluster.settings import HOST_NAME, ClusterSettings, read_secret
-from omnid.tasks import DaemonTask, report_crash
+from omnid.model.cluster import HOST_NAME, ClusterSettings, read_secret
+from omnid.base.tasks import DaemonTask, report_crash
 
 log = structlog.get_logger("omnid.cluster")
 _BOOT = re.compile(r"[0-9a-f]{8,64}")

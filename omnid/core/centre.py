@@ -10,8 +10,8 @@ from typing import Any, Protocol
 
 from omnid.core.lifecycle import Event
 from omnid.core.runtime import UnitRuntime
-from omnid.process import ProcessHandle
-from omnid.units import Stack
+from omnid.process.handle import ProcessHandle
+from omnid.model.units import Stack
 
 
 class Centre(Protocol):

@@ -19,8 +19,9 @@ from typing import Any
 
 import structlog
 
-from omnid import ipc, privatetmp
-from omnid.tasks import unit_task
+from omnid.process import ipc
+from omnid.process import privatetmp
+from omnid.base.tasks import unit_task
 
 log = structlog.get_logger("omnid.cleanup")
 

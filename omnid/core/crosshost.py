@@ -28,12 +28,12 @@ import structlog
 from omnid.cluster import checked
 from omnid.cluster.group import ClusterGroup, Generation, GroupDown, GroupRecord, GroupRefused, Phase
 from omnid.cluster.session import ClusterRefused, ClusterSession, SessionRecord
-from omnid.cluster.settings import check_file
+from omnid.model.cluster import check_file
 from omnid.core import policy
 from omnid.core.centre import Centre
 from omnid.core.lifecycle import Goal
 from omnid.core.runtime import RestartBook, UnitRuntime
-from omnid.units import RestartPolicy, Stack
+from omnid.model.units import RestartPolicy, Stack
 
 log = structlog.get_logger("omnid.supervisor")
 

@@ -20,10 +20,10 @@ import asyncio
 
 import structlog
 
-from omnid import probes
+from omnid.core import probes
 from omnid.core.centre import Centre
 from omnid.core.runtime import UnitRuntime
-from omnid.unitmodel import KillMode
+from omnid.model.unitmodel import KillMode
 
 log = structlog.get_logger("omnid.supervisor")
 

@@ -20,13 +20,13 @@ import signal
 
 import structlog
 
-from omnid import linux
+from omnid.base import linux
 from omnid.core import spawning
 from omnid.core.centre import Centre
 from omnid.core.runtime import UnitRuntime
-from omnid.probes import ProbeFailed
-from omnid.process import ProcessHandle
-from omnid.spawnclient import SpawnError, SpawnRequest
+from omnid.core.probes import ProbeFailed
+from omnid.process.handle import ProcessHandle
+from omnid.process.spawnclient import SpawnError, SpawnRequest
 
 log = structlog.get_logger("omnid.supervisor")
 

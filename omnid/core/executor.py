@@ -23,19 +23,19 @@ from typing import Any
 
 import structlog
 
-from omnid import linux
-from omnid.cgroup import CgroupTarget
+from omnid.base import linux
+from omnid.process.cgroup import CgroupTarget
 from omnid.core import groups, policy, spawning
 from omnid.core.cleanup import CannotPrepare
 from omnid.core.lifecycle import (Action, ArmTimer, Capture, CountStart, DecideRestart, Drain, Event, Phase,
                                   Publish, RecordFailure, Release, ReportUnkillable, Signal, Spawn, StartMonitors,
                                   UnitState, WaitRelease, WatchGone, WatchReady)
 from omnid.core.runtime import UnitRuntime
-from omnid.process import ProcessHandle
-from omnid.sockets import BindError
-from omnid.spawnclient import SpawnError
-from omnid.tasks import unit_task
-from omnid.termination import ProcessGroupTarget, Target, Termination, terminate
+from omnid.process.handle import ProcessHandle
+from omnid.process.sockets import BindError
+from omnid.process.spawnclient import SpawnError
+from omnid.base.tasks import unit_task
+from omnid.process.termination import ProcessGroupTarget, Target, Termination, terminate
 from omnid.core.centre import Centre
 
 
@@ -334,7 +334,7 @@ class Executor:
             return
         epoch = rt.epoch
         term = self._termination(rt, ctx)
-        from omnid import forensics
+        from omnid.forensics import capture as forensics
 
         members = forensics.member_list(rt.proc.pid, rt.proc.start_time, term.target.members())
         why = ctx.detail or rt.stop_reason or "stop_timeout is near"
@@ -343,7 +343,7 @@ class Executor:
     async def _capture_task(self, rt: UnitRuntime, epoch: int, members: list, why: str, feed: bool) -> None:
         """The stacks of a hung unit, bounded by capture_timeout: fed back as CAPTURED (the stop
         signal goes out at once), then kept in the state directory (omnid dump)."""
-        from omnid import forensics
+        from omnid.forensics import capture as forensics
 
         budget = capture_budget(rt.spec) if feed else min(capture_budget(rt.spec), rt.spec.stop_timeout / 2)
         cap = await forensics.capture(rt.name, members, why=why, budget_s=budget, max_bytes=forensics.DEFAULT_MAX_BYTES)

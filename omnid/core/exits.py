@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import collections
 
-from omnid.process import ProcessHandle
-from omnid.spawnclient import ExitReport
+from omnid.process.handle import ProcessHandle
+from omnid.process.spawnclient import ExitReport
 
 BOUND = 4096
 

@@ -10,10 +10,10 @@ Checked after every published state change in tests (OMNID_CHECK_INVARIANTS=1) a
 
 from __future__ import annotations
 
-from omnid import linux
+from omnid.base import linux
 from omnid.core.lifecycle import UnitState
 from omnid.core.runtime import UnitRuntime
-from omnid.process import group_alive
+from omnid.process.handle import group_alive
 
 S = UnitState
 

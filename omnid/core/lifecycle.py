@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from omnid.unitmodel import KillMode
+from omnid.model.unitmodel import KillMode
 
 
 class UnitState(str, enum.Enum):

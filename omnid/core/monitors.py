@@ -15,12 +15,13 @@ import time
 
 import structlog
 
-from omnid import linux, probes
+from omnid.base import linux
+from omnid.core import probes
 from omnid.core import execprobe, progress
 from omnid.core.lifecycle import Event, Phase, UnitState
 from omnid.core.runtime import UnitRuntime
-from omnid.process import DAEMON_TAG, UNIT_TAG
-from omnid.units import ReadyKind
+from omnid.process.handle import DAEMON_TAG, UNIT_TAG
+from omnid.model.units import ReadyKind
 from omnid.core.centre import Centre
 
 

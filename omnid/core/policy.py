@@ -16,8 +16,8 @@ import random
 from dataclasses import dataclass
 
 from omnid.core.runtime import RestartBook
-from omnid.units import RestartPolicy
-from omnid.units import Unit as UnitSpec
+from omnid.model.units import RestartPolicy
+from omnid.model.units import Unit as UnitSpec
 
 # The share of a backoff delay added at random (0 .. JITTER x delay): never sooner than
 # the configured delay, at most a quarter later.

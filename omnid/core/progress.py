@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from omnid import probes, promtext
+from omnid.core import probes
+from omnid.base import promtext
 from omnid.core.centre import Centre
 from omnid.core.lifecycle import Event, Phase, UnitState
 from omnid.core.runtime import UnitRuntime
-from omnid.unitmodel import Progress
+from omnid.model.unitmodel import Progress
 
 log = structlog.get_logger("omnid.supervisor")
 

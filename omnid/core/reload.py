@@ -30,9 +30,9 @@ import structlog
 from omnid.core.centre import Centre
 from omnid.core.lifecycle import Goal, UnitState
 from omnid.core.runtime import RestartBook, UnitRuntime
-from omnid.output import UnitOutput
-from omnid.units import ReadyKind, Stack, UpdatePolicy
-from omnid.units import Unit as UnitSpec
+from omnid.process.output import UnitOutput
+from omnid.model.units import ReadyKind, Stack, UpdatePolicy
+from omnid.model.units import Unit as UnitSpec
 
 log = structlog.get_logger("omnid.reload")
 S = UnitState

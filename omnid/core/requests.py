@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from omnid.control import ControlError
+from omnid.api.control import ControlError
 from omnid.core.lifecycle import Goal, UnitState
-from omnid.termination import StopRecord
+from omnid.process.termination import StopRecord
 from omnid.core.centre import Centre
-from omnid.units import Unit as UnitSpec
+from omnid.model.units import Unit as UnitSpec
 
 
 S = UnitState

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from omnid.core.lifecycle import Cause, Goal, Phase, UnitState
-from omnid.output import UnitOutput
-from omnid.process import ProcessHandle
-from omnid.termination import StopRecord
-from omnid.units import Unit as UnitSpec
+from omnid.process.output import UnitOutput
+from omnid.process.handle import ProcessHandle
+from omnid.process.termination import StopRecord
+from omnid.model.units import Unit as UnitSpec
 
 
 @dataclass
@@ -127,7 +127,8 @@ class UnitRuntime:
     # ------------------------------------------------------------- status object
     def snapshot(self) -> dict:
         p = self.proc
-        from omnid import linux, numa
+        from omnid.base import linux
+        from omnid.process import numa
 
         return {
             "name": self.name,

@@ -16,15 +16,16 @@ from pathlib import Path
 
 import structlog
 
-from omnid import linux, numa
-from omnid.cgroup import cgroup_limits
-from omnid.process import DAEMON_TAG, UNIT_TAG
-from omnid.spawnclient import SpawnRequest
-from omnid.units import Unit as UnitSpec
+from omnid.base import linux
+from omnid.process import numa
+from omnid.process.cgroup import cgroup_limits
+from omnid.process.handle import DAEMON_TAG, UNIT_TAG
+from omnid.process.spawnclient import SpawnRequest
+from omnid.model.units import Unit as UnitSpec
 
 log = structlog.get_logger("omnid.supervisor")
 
-RUNNER = str(Path(__file__).resolve().parent.parent / "runner.py")
+RUNNER = str(Path(__file__).resolve().parent.parent / "process" / "runner.py")
 _PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
 # The daemon's own variables that a unit must not inherit.
 _NOT_INHERITED = ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "OMNID_CONTROL", "INVOCATION_ID")

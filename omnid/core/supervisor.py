@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
-from omnid import linux
+from omnid.base import linux
 from omnid.core import groups
 from omnid.core.drain import Drains
 from omnid.core.executor import EXIT_STATUS_WAIT_S, Ctx, Executor
@@ -32,12 +32,12 @@ from omnid.core.reload import Reloader
 from omnid.core.requests import OperatorRequests
 from omnid.core.runtime import RestartBook, UnitRuntime
 from omnid.core.schedule import Schedule
-from omnid.output import UnitOutput
-from omnid.process import ProcessHandle
-from omnid.sockets import HeldSockets
-from omnid.spawnclient import ExitReport, SpawnerClient
-from omnid.tasks import report_crash
-from omnid.units import Stack
+from omnid.process.output import UnitOutput
+from omnid.process.handle import ProcessHandle
+from omnid.process.sockets import HeldSockets
+from omnid.process.spawnclient import ExitReport, SpawnerClient
+from omnid.base.tasks import report_crash
+from omnid.model.units import Stack
 
 log = structlog.get_logger("omnid.supervisor")
 S, P, E = UnitState, Phase, Event

@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from omnid import linux
+from omnid.base import linux
 from omnid.gpu.backend import GpuBackend, GpuInfo, GpuProcess, find_device, gpus_async, processes_async
 from omnid.gpu.bounded import GpuUnreadable
 from omnid.gpu.events import XidEvent

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omnid import linux
+from omnid.base import linux
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "tiny"

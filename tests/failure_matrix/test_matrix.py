@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from omnid import linux
+from omnid.base import linux
 from omnid.gpu import write_fake_gpu_file
 from tests.failure_matrix.harness import DemoStack, Load
 from tests.harness import alive, wait_for
@@ -80,7 +80,7 @@ def stack_pids(d) -> dict[str, int]:
 
 
 def tree_of(pid: int) -> list[int]:
-    from omnid.linux import children_of
+    from omnid.base.linux import children_of
 
     out, todo = [], [pid]
     while todo:

@@ -1,0 +1,429 @@
+"""Read-only health HTTP API (aiohttp) for load balancers and Prometheus
+(omnid-control(7), HEALTH HTTP). Every answer is computed from the supervisor's state
+at request time, so a death shows as 503 as soon as the pidfd fired."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Callable
+
+import psutil
+import structlog
+from aiohttp import web
+
+from omnid.process.output import add_counters
+from omnid.process.handle import tree_usage
+from omnid.process.cgroup import backend as cgroup_backend
+from omnid.core.lifecycle import UnitState
+from omnid.core.runtime import UnitRuntime as Unit
+from omnid.core.supervisor import Supervisor
+
+log = structlog.get_logger("omnid.api.health")
+S = UnitState
+
+
+def gpu_view(sup: Supervisor) -> dict[str, dict]:
+    """GPU conditions that reach a unit of the stack ({label: {"status", "reason", "units"}}),
+    from what the GPU backend already knows (no NVML call: a hung driver cannot stall /health)."""
+    backend = getattr(sup, "gpu", None)
+    if backend is None or not hasattr(backend, "conditions"):
+        return {}
+    from omnid.gpu import health_view
+
+    return health_view(backend, [(u.name, u.spec.gpus) for u in sup.units.values()])
+
+
+HEALTH_VERDICTS = ("ok", "starting", "degraded", "failed", "draining", "stopping")  # what overall() answers
+
+
+def overall(sup: Supervisor, degraded: dict[str, str], gpus: dict[str, dict] | None = None) -> str:
+    """`gpus`: gpu_view(sup); a GPU that has fallen off the bus is "failed", another
+    condition of a unit's GPU "degraded"."""
+    from omnid.gpu import worst
+
+    if sup.draining():
+        return "draining"  # load balancers stop sending; accepted requests finish
+    if sup.shutting_down:
+        return "stopping"
+    units = sup.units.values()
+    gpu = worst(gpus or {})
+    if any(u.state is S.FAILED or u.dead for u in units) or gpu == "failed":
+        return "failed"  # (u.dead: the main process died; the failure op is about to record it)
+    if any(u.state is S.STOPPING or u.goal.value == "inactive" for u in units) or degraded or gpu == "degraded":
+        return "degraded"
+    if all(u.state is S.ACTIVE and u.ready for u in units):
+        return "ok"
+    return "starting"
+
+
+def unit_reason(u: Unit, degraded: dict[str, str]) -> str:
+    if u.name in degraded:
+        return degraded[u.name]
+    if u.dead:
+        return "main process exited; failing"
+    return u.reason
+
+
+USAGE_INTERVAL_S = 1.0  # /metrics' process figures are at most this old (plus one walk)
+USAGE_WAIT_S = 2.0  # a scrape waits this long for a walk under way, then serves the last figures
+
+
+def _walk(pids: dict[str, int | None]) -> dict[str, tuple[int, float, int]]:
+    out = {}
+    for name, pid in pids.items():
+        use = tree_usage(pid)
+        out[name] = (use.rss, use.cpu_s, use.processes) if use else (0, 0.0, 0)
+    return out
+
+
+class UsageCache:
+    """The units' process figures for /metrics, walked in a thread (never on the loop that
+    sees deaths) at most once per USAGE_INTERVAL_S, one walk at a time whatever the number of
+    scrapers: a scrape flood costs the loop the rendering of a page, nothing more."""
+
+    def __init__(self) -> None:
+        self.figures: dict[str, tuple[int, float, int]] = {}
+        self.at = -USAGE_INTERVAL_S
+        self.walks = 0
+        self._walk: asyncio.Future | None = None
+
+    async def get(self, units: list[Unit]) -> dict[str, tuple[int, float, int]]:
+        if self._walk is None and time.monotonic() - self.at >= USAGE_INTERVAL_S:
+            pids = {u.name: u.proc.pid if u.proc else None for u in units}
+            self._walk = asyncio.ensure_future(asyncio.to_thread(_walk, pids))
+            self.walks += 1
+        walk = self._walk
+        if walk is not None:
+            await asyncio.wait([walk], timeout=USAGE_WAIT_S)
+            if walk.done() and walk is self._walk:
+                self._walk = None
+                self.at = time.monotonic()
+                if walk.exception() is not None:
+                    log.error("process figures not read", error=repr(walk.exception()))
+                else:
+                    self.figures = walk.result()
+        return {u.name: self.figures.get(u.name, (0, 0.0, 0)) for u in units}
+
+
+MAX_CONNECTIONS = 256  # open health connections; more are closed at accept (man omnid(8) SECURITY)
+FIRST_BYTE_TIMEOUT_S = 5.0  # a connection that sends nothing is closed after this
+KEEPALIVE_TIMEOUT_S = 5.0  # an idle keep-alive connection is closed after this
+
+
+class _ConnectionGuard:
+    """Counts health connections; the protocol wrapper below enforces the cap."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.active = 0
+        self.refused = 0
+        self.idle_closed = 0
+        self.evicted = 0
+        # Connections that have not sent a byte yet, oldest first: at the cap, the oldest
+        # of these makes room for a new one, so idle connections held by a stranger cannot
+        # lock out a load balancer's probe (which sends its request at once).
+        self.silent: dict[int, _GuardedProtocol] = {}
+
+
+class _GuardedProtocol(asyncio.Protocol):
+    """Wraps aiohttp's per-connection protocol: refuses past the cap, closes silent ones.
+    An fd held by a stranger must never be one libzmq or a spawn needed."""
+
+    def __init__(self, guard: _ConnectionGuard, make: Callable[[], asyncio.Protocol]) -> None:
+        self.guard, self.make = guard, make
+        self.inner: asyncio.Protocol | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.guard.active >= self.guard.cap:
+            if not self.guard.silent:
+                self.guard.refused += 1
+                transport.abort()  # type: ignore[attr-defined]
+                return
+            oldest = next(iter(self.guard.silent.values()))
+            self.guard.evicted += 1
+            oldest._close_silent()
+        self.guard.active += 1
+        self.guard.silent[id(self)] = self
+        self.transport = transport
+        self.inner = self.make()
+        self.timer = asyncio.get_running_loop().call_later(FIRST_BYTE_TIMEOUT_S, self._silent)
+        self.inner.connection_made(transport)
+
+    def _silent(self) -> None:
+        self.timer = None
+        if self.transport is not None:
+            self.guard.idle_closed += 1
+            self._close_silent()
+
+    def _close_silent(self) -> None:
+        """Abort now and count the slot free at once (connection_lost comes a turn later)."""
+        self.guard.silent.pop(id(self), None)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        transport, inner = self.transport, self.inner
+        self.transport, self.inner = None, None
+        if inner is not None:
+            self.guard.active -= 1
+            inner.connection_lost(None)
+        if transport is not None:
+            transport.abort()  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        self.guard.silent.pop(id(self), None)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.inner is not None:
+            self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.inner is not None else None
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.guard.silent.pop(id(self), None)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.inner is not None:
+            self.guard.active -= 1
+            self.transport = None
+            inner, self.inner = self.inner, None
+            inner.connection_lost(exc)
+
+
+class _CappedSockSite(web.SockSite):
+    def __init__(self, runner: web.AppRunner, sock: socket.socket, guard: _ConnectionGuard) -> None:
+        super().__init__(runner, sock, backlog=128)
+        self._guard = guard
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: _GuardedProtocol(self._guard, server), sock=self._sock, backlog=self._backlog)
+
+
+class HealthServer:
+    def __init__(self, sup: Supervisor, listen: str, degraded: Callable[[], dict[str, str]] | None = None,
+                 gpu_usage: Callable[[], dict[str, float]] | None = None,
+                 notify_counters: Callable[[], dict[str, int]] | None = None) -> None:
+        self.sup = sup
+        self.site: _CappedSockSite | None = None
+        host, _, port = listen.rpartition(":")
+        self.host = host.strip("[]") or "127.0.0.1"
+        self.port = int(port)
+        self.degraded = degraded or (lambda: {})
+        self.gpu_usage = gpu_usage or (lambda: {})
+        self.notify_counters = notify_counters or (lambda: {})
+        self.app = web.Application()
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/health/live", self.live)
+        self.app.router.add_get("/units", self.units)
+        self.app.router.add_get("/units/{name}", self.unit)
+        self.app.router.add_get("/metrics", self.metrics)
+        self.runner: web.AppRunner | None = None
+        self.connections = _ConnectionGuard(MAX_CONNECTIONS)
+        self.usage = UsageCache()
+
+    async def start(self, sock: socket.socket | None = None) -> None:
+        """Serve on `sock` (already bound and listening) or bind HOST:PORT now."""
+        self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
+                                    keepalive_timeout=KEEPALIVE_TIMEOUT_S)
+        await self.runner.setup()
+        if sock is None:
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+            sock.listen(128)
+            sock.setblocking(False)
+        self.site = _CappedSockSite(self.runner, sock, self.connections)
+        await self.site.start()
+        log.info("health API listening", url=f"http://{self.host}:{self.port}/health")
+
+    async def close(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def quiesce(self, timeout: float) -> int:
+        """Before the daemon re-executes: stop accepting (new connections wait in the listening
+        socket's backlog, which outlives this program through the dup the daemon keeps) and
+        serve the connections already accepted, until none is open or `timeout`. Returns how
+        many were still open (idle keep-alive ones: their clients reconnect)."""
+        server = getattr(self.site, "_server", None)
+        loop = asyncio.get_running_loop()
+        if server is not None:
+            # Stop reading the listening socket, but do not close the server: a connection
+            # accepted in the same turn is still being set up, and asyncio refuses to attach it
+            # to a closed server (its socket would be left open, unanswered, then reset at the
+            # exec). The program is replaced anyway; the listening socket lives on in its dup.
+            for sock in server.sockets:
+                loop.remove_reader(sock.fileno())
+        deadline = loop.time() + timeout
+        # Connections accepted in the same turn as the close are set up by tasks that run in
+        # the next turns: let them run before counting what is open.
+        await asyncio.sleep(0.02)
+        while self.connections.active and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        return self.connections.active
+
+    async def health(self, _req: web.Request) -> web.Response:
+        degraded = self.degraded()
+        gpus = gpu_view(self.sup)
+        status = overall(self.sup, degraded, gpus)
+        body = {
+            "status": status,
+            "units": {u.name: {"state": u.state.value, "reason": unit_reason(u, degraded)}
+                      for u in self.sup.units.values()},
+            **cgroup_backend(self.sup.cgroups),  # cgroup hook
+        }
+        if gpus:
+            body["gpus"] = gpus  # each GPU with a condition, its status, reason and units
+        return web.json_response(body, status=200 if status == "ok" else 503)
+
+    async def live(self, _req: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "ts": time.time()})
+
+    async def units(self, _req: web.Request) -> web.Response:
+        return web.json_response({"units": add_counters(self.sup.snapshot(), self.sup.units),
+                                  **cgroup_backend(self.sup.cgroups)})
+
+    async def unit(self, req: web.Request) -> web.Response:
+        name = req.match_info["name"]
+        u = self.sup.units.get(name)
+        if u is None:
+            return web.json_response({"error": {"code": "unknown_unit", "message": f"no unit named {name!r}"}},
+                                     status=404)
+        return web.json_response(add_counters([u.snapshot()], self.sup.units)[0])
+
+    async def metrics(self, _req: web.Request) -> web.Response:
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str) -> None:
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} {kind}")
+
+        def lbl(**kv: object) -> str:
+            inner = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+                             for k, v in kv.items())
+            return "{" + inner + "}"
+
+        units = list(self.sup.units.values())
+        metric("omnid_unit_state", "gauge", "1 for the state the unit is in")
+        for u in units:
+            for st in S:
+                lines.append(f"omnid_unit_state{lbl(unit=u.name, state=st.value)} {int(u.state is st)}")
+        metric("omnid_unit_ready", "gauge", "1 when the unit is active and ready")
+        for u in units:
+            lines.append(f"omnid_unit_ready{lbl(unit=u.name)} {int(u.ready)}")
+        metric("omnid_unit_restarts_total", "counter", "automatic restarts")
+        for u in units:
+            lines.append(f"omnid_unit_restarts_total{lbl(unit=u.name)} {u.restarts}")
+        metric("omnid_unit_failures_total", "counter", "unrequested exits and failed starts")
+        for u in units:
+            lines.append(f"omnid_unit_failures_total{lbl(unit=u.name)} {u.deaths}")
+        metric("omnid_unit_last_exit_code", "gauge", "exit code of the last exit (-1: killed by a signal or none)")
+        for u in units:
+            code = u.last_exit_code if u.last_exit_code is not None else -1
+            lines.append(f"omnid_unit_last_exit_code{lbl(unit=u.name)} {code}")
+        metric("omnid_unit_last_exit_signal", "gauge", "signal number of the last exit (0: none)")
+        for u in units:
+            lines.append(f"omnid_unit_last_exit_signal{lbl(unit=u.name)} {u.last_signal or 0}")
+        # The stack's verdict, what GET /health says: one series per verdict, 1 for the current one.
+        metric("omnid_stack_health", "gauge", "1 for the verdict GET /health gives now")
+        verdict = overall(self.sup, self.degraded(), gpu_view(self.sup))
+        for v in HEALTH_VERDICTS:
+            lines.append(f"omnid_stack_health{lbl(status=v)} {int(v == verdict)}")
+        metric("omnid_unit_gpu_release_seconds", "gauge",
+               "after the unit's last stop or failure: until none of its pids held GPU memory")
+        for u in units:
+            if u.gpu_release_ms is not None:
+                lines.append(f"omnid_unit_gpu_release_seconds{lbl(unit=u.name)} {u.gpu_release_ms / 1000:.6f}")
+        metric("omnid_unit_gpu_held", "gauge", "1 when the unit's pids still held GPU memory as the release wait ended")
+        for u in units:
+            lines.append(f"omnid_unit_gpu_held{lbl(unit=u.name)} {int(bool(u.gpu_held))}")
+        metric("omnid_unit_residue_processes", "gauge", "leftovers (orphans) killed after the unit's last stop")
+        for u in units:
+            rec = u.last_stop
+            lines.append(f"omnid_unit_residue_processes{lbl(unit=u.name)} {len(rec.residue) if rec else 0}")
+        metric("omnid_unit_unkillable_processes", "gauge", "processes that survived SIGKILL at the unit's last stop")
+        for u in units:
+            rec = u.last_stop
+            lines.append(f"omnid_unit_unkillable_processes{lbl(unit=u.name)} {len(rec.unkillable) if rec else 0}")
+        dm = getattr(self, "daemon_metrics", None)
+        if dm is not None:
+            metric("omnid_death_detection_seconds", "histogram", "pidfd wake-up to failed state, per death")
+            lines.extend(dm.death_detection.render("omnid_death_detection_seconds", lbl))
+        metric("omnid_unit_log_lines_total", "counter", "output lines read from the unit")
+        for u in units:
+            if u.output is not None:
+                lines.append(f"omnid_unit_log_lines_total{lbl(unit=u.name)} {u.output.lines_total}")
+        metric("omnid_unit_log_lines_dropped_total", "counter",
+               "output lines not echoed into the daemon log (rate limit; kept for omnid logs)")
+        for u in units:
+            if u.output is not None:
+                lines.append(f"omnid_unit_log_lines_dropped_total{lbl(unit=u.name)} {u.output.echo_dropped}")
+        metric("omnid_unit_log_lines_truncated_total", "counter", "output lines cut at 16 KiB")
+        for u in units:
+            if u.output is not None:
+                lines.append(f"omnid_unit_log_lines_truncated_total{lbl(unit=u.name)} {u.output.lines_truncated}")
+        metric("omnid_unit_rss_bytes", "gauge", "resident memory of the unit's processes")
+        usage = await self.usage.get(units)  # from a thread, at most once per USAGE_INTERVAL_S
+        for name, (rss, _cpu, _n) in usage.items():
+            lines.append(f"omnid_unit_rss_bytes{lbl(unit=name)} {rss}")
+        metric("omnid_unit_cpu_seconds_total", "counter", "CPU time of the unit's live processes")
+        for name, (_rss, cpu, _n) in usage.items():
+            lines.append(f"omnid_unit_cpu_seconds_total{lbl(unit=name)} {cpu:.3f}")
+        metric("omnid_unit_processes", "gauge", "live processes in the unit's tree")
+        for name, (_rss, _cpu, n) in usage.items():
+            lines.append(f"omnid_unit_processes{lbl(unit=name)} {n}")
+        lines += self.sup.cgroups.metrics_lines(lbl) if self.sup.cgroups else []  # cgroup hook
+        gpu = self.gpu_usage()
+        if gpu:
+            metric("omnid_unit_gpu_memory_bytes", "gauge", "GPU memory held by the unit's processes (NVML)")
+            for name, mib in gpu.items():
+                lines.append(f"omnid_unit_gpu_memory_bytes{lbl(unit=name)} {int(mib * 1048576)}")
+        backend = getattr(self.sup, "gpu", None)
+        if backend is not None and hasattr(backend, "conditions"):
+            metric("omnid_gpu_stuck_threads", "gauge", "threads blocked in an NVML call past its deadline")
+            lines.append(f"omnid_gpu_stuck_threads {backend.stuck_threads}")
+            metric("omnid_gpu_condition", "gauge", "a condition of a GPU: Xid, memory health, unreadable")
+            for c in backend.conditions():
+                j = c.to_json()
+                lines.append(f"omnid_gpu_condition{lbl(gpu=j['gpu'], status=c.status, source=c.source, xid=c.xid or '')} 1")
+        me = psutil.Process()
+        metric("omnid_daemon_rss_bytes", "gauge", "resident memory of the daemon")
+        lines.append(f"omnid_daemon_rss_bytes {me.memory_info().rss}")
+        metric("omnid_daemon_threads", "gauge", "threads of the daemon process")
+        lines.append(f"omnid_daemon_threads {me.num_threads()}")
+        metric("omnid_invariant_violations_total", "counter", "state/kernel disagreements found after transitions")
+        lines.append(f"omnid_invariant_violations_total {len(self.sup.invariant_violations)}")
+        metric("omnid_health_connections_refused_total", "counter", "health connections closed at the cap or silent")
+        c = self.connections
+        lines.append(f"omnid_health_connections_refused_total {c.refused + c.idle_closed + c.evicted}")
+        notify = self.notify_counters()  # issue #9: dropped notify datagrams, by reason
+        if notify:
+            metric("omnid_notify_datagrams_total", "counter", "notify datagrams received, accepted or dropped")
+            for what, n in notify.items():
+                lines.append(f"omnid_notify_datagrams_total{lbl(outcome=what)} {n}")
+        ch = getattr(self.sup, "crosshost", None)
+        if ch is not None:  # worker groups across hosts (omnid.cluster)
+            from omnid.cluster.metrics import render as cluster_metrics
+
+            lines.extend(cluster_metrics(ch, metric, lbl))
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
+                            headers={"X-Prometheus-Format": "0.0.4"})

@@ -1,0 +1,500 @@
+"""IPC residue (unit key `remove_ipc`, omnid.unit(5)): the POSIX shared memory segments
+and semaphores (/dev/shm) and the System V shared memory, semaphores and message queues
+a unit's processes created or used, removed once nothing of the unit runs and no live
+process holds them.
+
+Attribution is proven, never guessed from a name:
+- POSIX (/dev/shm): a fanotify listener (root; FAN_REPORT_DFID_NAME, FAN_CREATE and
+  FAN_MOVED_TO on the /dev/shm directory) reports the pid of every process that creates
+  an entry. A thread of its own reads the events (never the event loop) and, at event
+  time, reads that pid's environment: the entry is the unit's when the creator carries
+  this daemon's token (OMNID_DAEMON) and the unit's name (OMNID_UNIT) -- every process
+  the unit starts inherits both. It records (name, inode) for the unit, and the pid.
+- System V: the kernel records pids. A shared memory segment's creator (cpid) or last
+  user (lpid), a message queue's last sender or receiver, a semaphore's last operator
+  (semctl GETPID) must be one of the unit's pids (its main process, the creators seen
+  above), the object's owner and creator the unit's user, and the object made or used
+  after the instance started (so a recycled pid proves nothing).
+At removal, off the event loop and bounded: a POSIX entry must still be the same inode,
+owned by the unit's user, and neither mapped nor open by any live process (a scan of
+/proc/*/maps and /proc/*/fd; an unfinished scan removes nothing); a System V segment must
+have nattch 0. Then unlink / IPC_RMID.
+
+Without fanotify (not root, or the kernel refuses) POSIX objects are not attributed and
+stay; System V attribution works as above.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import select
+import stat
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+log = structlog.get_logger("omnid.process.ipc")
+
+SHM_DIR = "/dev/shm"
+SYSVIPC = "/proc/sysvipc"
+MAX_OBJECTS = 4096  # per unit: what a unit creating millions of entries can cost
+MAX_PIDS = 4096
+CLOCK_SLACK_S = 2.0  # wall clock (ctime) against the spawn time
+
+# fanotify (linux/fanotify.h)
+FAN_CLOEXEC, FAN_NONBLOCK, FAN_CLASS_NOTIF = 0x1, 0x2, 0x0
+FAN_REPORT_DFID_NAME = 0x400 | 0x800
+FAN_CREATE, FAN_MOVED_TO, FAN_Q_OVERFLOW = 0x100, 0x80, 0x4000
+FAN_MARK_ADD = 0x1
+FAN_EVENT_INFO_TYPE_DFID_NAME = 2
+_META = struct.Struct("=IBBHQii")  # event_len, vers, reserved, metadata_len, mask, fd, pid
+IPC_RMID, GETPID = 0, 11
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
+_libc.semctl.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+_libc.shmctl.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+_libc.msgctl.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+
+
+@dataclass
+class UnitIpc:
+    """What one instance of a unit is known to have: its user, when it started, its pids,
+    the /dev/shm entries its processes created (name -> inode)."""
+
+    unit: str
+    uid: int
+    since: float  # wall clock, at the spawn
+    pids: set[int] = field(default_factory=set)
+    shm: dict[str, int] = field(default_factory=dict)
+    dropped: int = 0  # entries not recorded (the bound)
+
+    def to_json(self) -> dict:
+        return {"unit": self.unit, "uid": self.uid, "since": self.since, "pids": sorted(self.pids),
+                "shm": dict(self.shm), "dropped": self.dropped}
+
+    @classmethod
+    def from_json(cls, d: dict) -> UnitIpc:
+        return cls(unit=str(d["unit"]), uid=int(d["uid"]), since=float(d["since"]),
+                   pids={int(p) for p in list(d["pids"])[:MAX_PIDS]},
+                   shm={str(k): int(v) for k, v in list(d["shm"].items())[:MAX_OBJECTS]}, dropped=int(d["dropped"]))
+
+
+class IpcBook:
+    """Attribution while units live. Written by the fanotify thread and the loop: a lock."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self._lock = threading.Lock()
+        self.units: dict[str, UnitIpc] = {}
+        self._pid_unit: dict[int, str] = {}  # the pids recorded for live instances
+        self.unattributed = 0  # creators that were gone, or not ours, when their event was read
+
+    def begin(self, unit: str, uid: int) -> None:
+        """A new instance of `unit` is about to be spawned: a fresh record."""
+        with self._lock:
+            old = self.units.get(unit)
+            if old is not None:
+                self._forget(old)
+            self.units[unit] = UnitIpc(unit, uid, time.time())
+
+    def add_pid(self, unit: str, pid: int) -> None:
+        with self._lock:
+            u = self.units.get(unit)
+            if u is not None and len(u.pids) < MAX_PIDS:
+                u.pids.add(pid)
+                self._pid_unit[pid] = unit
+
+    def _forget(self, u: UnitIpc) -> None:
+        for p in u.pids:
+            if self._pid_unit.get(p) == u.unit:
+                del self._pid_unit[p]
+
+    def created(self, pid: int, name: str) -> None:
+        """An entry appeared in /dev/shm, made by pid (the fanotify thread). A pid recorded
+        for a live instance (its main process) is the unit's even when it died before the
+        event was read (a SIGKILL right after the creation); any other creator is proven by
+        its environment, read now."""
+        with self._lock:
+            tag = self._pid_unit.get(pid)
+        if tag is None:
+            tag = _unit_of(pid, self.token)
+        if tag is None:
+            self.unattributed += 1
+            return
+        try:
+            st = os.lstat(os.path.join(SHM_DIR, name))
+        except OSError:
+            return  # already gone: nothing to remove later
+        with self._lock:
+            u = self.units.get(tag)
+            if u is None:
+                return
+            if len(u.pids) < MAX_PIDS:
+                u.pids.add(pid)
+                self._pid_unit[pid] = tag
+            if name in u.shm or len(u.shm) < MAX_OBJECTS:
+                u.shm[name] = st.st_ino
+            else:
+                u.dropped += 1
+
+    def has_entries(self, unit: str) -> bool:
+        with self._lock:
+            u = self.units.get(unit)
+            return u is not None and bool(u.shm)
+
+    def take(self, unit: str) -> UnitIpc | None:
+        with self._lock:
+            u = self.units.pop(unit, None)
+            if u is not None:
+                self._forget(u)
+            return u
+
+    def handover(self) -> dict:
+        with self._lock:
+            return {k: u.to_json() for k, u in self.units.items()}
+
+    def take_over(self, d: object) -> None:
+        if not isinstance(d, dict):
+            return
+        with self._lock:
+            for k, v in d.items():
+                try:
+                    self.units[str(k)] = UnitIpc.from_json(v)
+                except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                    log.warning("IPC attribution of a unit not taken over (malformed)", unit=str(k), error=str(exc))
+
+
+def _unit_of(pid: int, token: str) -> str | None:
+    """The unit a process belongs to, proven by this daemon's token in its environment."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            data = f.read(1 << 20)
+    except OSError:
+        return None
+    unit = None
+    ours = False
+    for item in data.split(b"\0"):
+        if item.startswith(b"OMNID_UNIT="):
+            unit = item[11:].decode(errors="replace")
+        elif item.startswith(b"OMNID_DAEMON="):
+            ours = item[13:].decode(errors="replace") == token
+    return unit if ours else None
+
+
+class ShmWatch:
+    """The fanotify listener on /dev/shm, on a thread of its own."""
+
+    def __init__(self, book: IpcBook, shm_dir: str = SHM_DIR) -> None:
+        self.book = book
+        self.shm_dir = shm_dir
+        self.fd = -1
+        self._stop_r = self._stop_w = -1
+        self._thread: threading.Thread | None = None
+        self._read = threading.Lock()  # the listener's thread and drain() both read the queue
+        self.events = 0
+        self.overflows = 0
+
+    def start(self) -> str | None:
+        """None when it runs; otherwise why POSIX objects will not be attributed."""
+        fd = _libc.fanotify_init(FAN_CLASS_NOTIF | FAN_CLOEXEC | FAN_NONBLOCK | FAN_REPORT_DFID_NAME,
+                                 os.O_RDONLY | os.O_CLOEXEC)
+        if fd < 0:
+            return f"fanotify_init: {os.strerror(ctypes.get_errno())}"
+        if _libc.fanotify_mark(fd, FAN_MARK_ADD, FAN_CREATE | FAN_MOVED_TO, -100, self.shm_dir.encode()) < 0:
+            err = ctypes.get_errno()
+            os.close(fd)
+            return f"fanotify_mark {self.shm_dir}: {os.strerror(err)}"
+        self.fd = fd
+        self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
+        self._thread = threading.Thread(target=self._run, name="omnid-shm-watch", daemon=True)
+        self._thread.start()
+        return None
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        os.write(self._stop_w, b"x")
+        self._thread.join(timeout=2.0)
+        with self._read:
+            for fd in (self.fd, self._stop_r, self._stop_w):
+                os.close(fd)
+            self.fd = -1
+        self._thread = None
+
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        poller.register(self._stop_r, select.POLLIN)
+        while True:
+            ready = {fd for fd, _ in poller.poll()}
+            if self._stop_r in ready:
+                return
+            if not self.drain():
+                return
+
+    def pending(self) -> bool:
+        """Are events waiting to be read (a poll, no read)?"""
+        if self.fd < 0:
+            return False
+        p = select.poll()
+        p.register(self.fd, select.POLLIN)
+        return bool(p.poll(0))
+
+    def drain(self) -> bool:
+        """Read and attribute every event queued now (the listener's loop; and the removal,
+        so that what a unit created just before it died is in its record). False when the
+        queue cannot be read any more."""
+        with self._read:
+            if self.fd < 0:
+                return False
+            while True:
+                try:
+                    buf = os.read(self.fd, 65536)
+                except BlockingIOError:
+                    return True
+                except OSError as exc:
+                    log.error("reading fanotify events failed; POSIX IPC no longer attributed", error=str(exc))
+                    return False
+                try:
+                    for pid, name in parse_events(buf):
+                        self.events += 1
+                        if name is None:
+                            self.overflows += 1
+                            log.warning("fanotify queue overflow: some /dev/shm entries are not attributed")
+                            continue
+                        self.book.created(pid, name)
+                except Exception:  # noqa: BLE001 - the listener must outlive a malformed event; said each time
+                    log.exception("a fanotify event could not be read")
+
+
+def parse_events(buf: bytes) -> list[tuple[int, str | None]]:
+    """(pid, entry name) per event; (pid, None) for a queue overflow."""
+    out: list[tuple[int, str | None]] = []
+    off = 0
+    while off + _META.size <= len(buf):
+        ev_len, _vers, _res, meta_len, mask, fd, pid = _META.unpack_from(buf, off)
+        if ev_len < _META.size:
+            break
+        if fd >= 0:
+            os.close(fd)
+        if mask & FAN_Q_OVERFLOW:
+            out.append((pid, None))
+        else:
+            info = off + meta_len
+            end = off + ev_len
+            while info + 4 <= end:
+                itype, _pad, ilen = struct.unpack_from("=BBH", buf, info)
+                if ilen == 0:
+                    break
+                if itype == FAN_EVENT_INFO_TYPE_DFID_NAME:
+                    h = info + 4 + 8  # header, fsid
+                    handle_bytes = struct.unpack_from("=I", buf, h)[0]
+                    name_at = h + 8 + handle_bytes
+                    raw = buf[name_at:info + ilen].split(b"\0", 1)[0]
+                    if raw and b"/" not in raw:
+                        out.append((pid, os.fsdecode(raw)))
+                info += ilen
+        off += ev_len
+    return out
+
+
+# ---------------------------------------------------------------- removal (blocking: off the loop)
+@dataclass(frozen=True)
+class SysvObject:
+    kind: str  # "shm", "sem", "msg"
+    ident: int
+    key: int
+    line: tuple[str, ...]  # the /proc/sysvipc line it was read from: re-checked before removal
+    size: int = 0
+
+    def describe(self) -> str:
+        what = {"shm": "System V shm", "sem": "System V sem", "msg": "System V msg"}[self.kind]
+        extra = f", {human(self.size)}" if self.kind == "shm" else ""
+        return f"{what} id {self.ident} (key 0x{self.key & 0xffffffff:08x}{extra})"
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _sysv_rows(kind: str) -> list[dict[str, str]]:
+    try:
+        with open(os.path.join(SYSVIPC, kind)) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    if not lines:
+        return []
+    head = lines[0].split()
+    return [dict(zip(head, ln.split())) for ln in lines[1:] if ln.strip()]
+
+
+def _sysv_candidates(u: UnitIpc) -> list[SysvObject]:
+    out: list[SysvObject] = []
+    since = u.since - CLOCK_SLACK_S
+    pids = u.pids
+    for r in _sysv_rows("shm"):
+        try:
+            if int(r["uid"]) != u.uid or int(r["cuid"]) != u.uid or int(r["nattch"]) != 0:
+                continue
+            made = int(r["cpid"]) in pids and int(r["ctime"]) >= since
+            used = int(r["lpid"]) in pids and max(int(r["atime"]), int(r["dtime"])) >= since
+            if made or used:
+                out.append(SysvObject("shm", int(r["shmid"]), int(r["key"]), tuple(sorted(r.items())),
+                                      int(r["size"])))
+        except (KeyError, ValueError):
+            continue
+    for r in _sysv_rows("msg"):
+        try:
+            if int(r["uid"]) != u.uid or int(r["cuid"]) != u.uid:
+                continue
+            if (int(r["lspid"]) in pids and int(r["stime"]) >= since) or \
+                    (int(r["lrpid"]) in pids and int(r["rtime"]) >= since):
+                out.append(SysvObject("msg", int(r["msqid"]), int(r["key"]), tuple(sorted(r.items()))))
+        except (KeyError, ValueError):
+            continue
+    for r in _sysv_rows("sem"):
+        try:
+            if int(r["uid"]) != u.uid or int(r["cuid"]) != u.uid:
+                continue
+            if max(int(r["otime"]), int(r["ctime"])) < since:
+                continue
+            semid, nsems = int(r["semid"]), min(int(r["nsems"]), 256)
+            # The kernel keeps no creator pid for a semaphore set: the last operator of each
+            # semaphore (semop, SETVAL, SETALL) is the proof.
+            if any(_libc.semctl(semid, i, GETPID) in pids for i in range(nsems)):
+                out.append(SysvObject("sem", semid, int(r["key"]), tuple(sorted(r.items()))))
+        except (KeyError, ValueError):
+            continue
+    return out
+
+
+def _still_same(o: SysvObject) -> bool:
+    idkey = {"shm": "shmid", "sem": "semid", "msg": "msqid"}[o.kind]
+    for r in _sysv_rows(o.kind):
+        if r.get(idkey) == str(o.ident):
+            now = dict(r)
+            then = dict(o.line)
+            # Times and counters of use may move; who made it and whose it is may not.
+            stable = ("key", "cuid", "uid", "cpid", "ctime") if o.kind == "shm" else ("key", "cuid", "uid", "ctime")
+            if any(now.get(k) != then.get(k) for k in stable):
+                return False
+            return o.kind != "shm" or now.get("nattch") == "0"
+    return False
+
+
+def _held(inodes: dict[int, str], dev: int, deadline: float) -> set[int] | None:
+    """Which of the /dev/shm inodes a live process maps or holds open; None when the scan
+    could not finish by the deadline (nothing may be removed then)."""
+    held: set[int] = set()
+    want = set(inodes)
+    prefix = SHM_DIR + "/"
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return None
+    for p in pids:
+        if time.monotonic() > deadline:
+            return None
+        try:
+            with open(f"/proc/{p}/maps", "rb") as f:
+                for ln in f:
+                    if b"/dev/shm/" in ln or b" /SYSV" in ln:
+                        parts = ln.split(None, 5)
+                        if len(parts) >= 5 and int(parts[4]) in want:
+                            held.add(int(parts[4]))
+        except (OSError, ValueError):
+            pass
+        try:
+            fds = os.listdir(f"/proc/{p}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{p}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(prefix):
+                try:
+                    st = os.stat(f"/proc/{p}/fd/{fd}")
+                except OSError:
+                    continue
+                if st.st_dev == dev and st.st_ino in want:
+                    held.add(st.st_ino)
+    return held
+
+
+def remove_residue(u: UnitIpc, budget_s: float = 2.0) -> tuple[list[str], list[str]]:
+    """Remove what is proven the unit's and held by nobody. Returns (removed, kept), each
+    entry described for people. Blocking: call it off the event loop."""
+    deadline = time.monotonic() + budget_s
+    removed: list[str] = []
+    kept: list[str] = []
+    # POSIX: still the same inode, owned by the unit's user, a regular file.
+    cands: dict[int, str] = {}
+    sizes: dict[int, int] = {}
+    dev = -1
+    try:
+        dfd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        dfd = -1
+    try:
+        if dfd >= 0:
+            dev = os.fstat(dfd).st_dev
+            for name, ino in u.shm.items():
+                try:
+                    st = os.lstat(name, dir_fd=dfd)
+                except OSError:
+                    continue  # unlinked by its program: nothing to do
+                if st.st_ino == ino and st.st_uid == u.uid and stat.S_ISREG(st.st_mode):
+                    cands[ino] = name
+                    sizes[ino] = st.st_size
+            if cands:
+                held = _held(cands, dev, deadline)
+                if held is None:
+                    kept.extend(f"{SHM_DIR}/{n} (could not prove nobody holds it in time)" for n in cands.values())
+                    cands = {}
+                else:
+                    for ino in held:
+                        kept.append(f"{SHM_DIR}/{cands.pop(ino)} (held by a live process)")
+            for ino, name in cands.items():
+                try:
+                    st = os.lstat(name, dir_fd=dfd)
+                    if st.st_ino != ino:
+                        continue
+                    os.unlink(name, dir_fd=dfd)
+                except OSError:
+                    continue
+                what = "POSIX sem" if name.startswith("sem.") else "POSIX shm"
+                removed.append(f"{what} {SHM_DIR}/{name} ({human(sizes[ino])})")
+    finally:
+        if dfd >= 0:
+            os.close(dfd)
+    r2, k2 = remove_sysv(u)
+    return removed + r2, kept + k2
+
+
+def remove_sysv(u: UnitIpc) -> tuple[list[str], list[str]]:
+    """The System V part alone: three small /proc/sysvipc reads and the IPC_RMIDs."""
+    removed: list[str] = []
+    kept: list[str] = []
+    for o in _sysv_candidates(u):
+        if not _still_same(o):
+            continue
+        ctl = {"shm": _libc.shmctl, "sem": _libc.semctl, "msg": _libc.msgctl}[o.kind]
+        rc = ctl(o.ident, IPC_RMID, None) if o.kind != "sem" else _libc.semctl(o.ident, 0, IPC_RMID)
+        if rc == 0:
+            removed.append(o.describe())
+        else:
+            kept.append(f"{o.describe()} (IPC_RMID: {os.strerror(ctypes.get_errno())})")
+    return removed, kept

@@ -1,0 +1,279 @@
+"""A unit's private temporary directory (unit key `private_tmp`, omnid.unit(5)): systemd's
+PrivateTmp= without a mount namespace. At each spawn of an instance omnid makes a fresh
+directory under /tmp (random name, mkdir fails if the name exists, mode 0700, then owned
+by the unit's user), and the unit's TMPDIR, TMP and TEMP point at it. When nothing of the
+instance runs any more it is removed with everything in it, off the event loop, by an
+fd-relative walk that never follows a symbolic link (a hostile unit may plant one to
+/etc) and stops at a deadline.
+
+What proves a directory is omnid's when a daemon that was SIGKILLed left it: the record
+in the state directory (`tmpdirs.json`, written at each create and removal), the path and
+the inode omnid made. A directory is removed only when its name is omnid's pattern, it is
+a directory directly under the root (not a link), and its device and inode are the ones
+recorded; anything else under /tmp is never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger("omnid.process.privatetmp")
+
+TMP_ROOT = "/tmp"
+PREFIX = "omnid-"
+RECORD_NAME = "tmpdirs.json"
+MAX_RECORD_BYTES = 1 << 20
+_NAME_RE = re.compile(r"^omnid-[A-Za-z0-9_.@:-]{1,200}-[0-9a-f]{12}$")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.@:-]")
+ENV_KEYS = ("TMPDIR", "TMP", "TEMP")
+
+
+@dataclass(frozen=True)
+class TmpDir:
+    """A directory omnid made: enough to prove it is still the same one."""
+
+    unit: str
+    path: str
+    dev: int
+    ino: int
+    # The owner it was given: an inode number can be reused, and only the directory's owner
+    # (or root) can remove it from the sticky /tmp and make another of that name.
+    uid: int = -1
+
+    def to_json(self) -> dict:
+        return {"unit": self.unit, "path": self.path, "dev": self.dev, "ino": self.ino, "uid": self.uid}
+
+    @classmethod
+    def from_json(cls, d: object) -> TmpDir | None:
+        """Untrusted JSON (a record file, a handover): None when it is not one of ours."""
+        if not isinstance(d, dict):
+            return None
+        unit, path, dev, ino = d.get("unit"), d.get("path"), d.get("dev"), d.get("ino")
+        if not (isinstance(unit, str) and isinstance(path, str) and isinstance(dev, int) and isinstance(ino, int)):
+            return None
+        if os.path.dirname(path) == "" or not _NAME_RE.match(os.path.basename(path)):
+            return None
+        uid = d.get("uid", -1)
+        return cls(unit, path, dev, ino, uid if isinstance(uid, int) else -1)
+
+
+def wanted(spec: object) -> bool:
+    """Does this unit get one? `private_tmp = true` and no TMPDIR of its own in `env` (an
+    operator's explicit TMPDIR wins: it names a place on purpose)."""
+    env = getattr(spec, "env", {}) or {}
+    return bool(getattr(spec, "private_tmp", False)) and "TMPDIR" not in env
+
+
+def create(unit: str, uid: int | None, gid: int | None, root: str = TMP_ROOT) -> TmpDir:
+    """mkdtemp's way (a random name, mkdir that fails on an existing name: no link can be
+    planted in advance), mode 0700, then owned by the unit's user. OSError says why not."""
+    safe = _UNSAFE.sub("_", unit)[:200] or "unit"
+    for _ in range(16):
+        path = os.path.join(root, f"{PREFIX}{safe}-{secrets.token_hex(6)}")
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            continue
+        break
+    else:
+        raise FileExistsError(f"no free name under {root} after 16 tries")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if uid is not None or gid is not None:
+                os.fchown(fd, -1 if uid is None else uid, -1 if gid is None else gid)
+            os.fchmod(fd, 0o700)  # the umask may have taken bits off; 0700 exactly
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+        raise
+    return TmpDir(unit, path, st.st_dev, st.st_ino, st.st_uid)
+
+
+def environment(d: TmpDir) -> dict[str, str]:
+    return {k: d.path for k in ENV_KEYS}
+
+
+def remove(d: TmpDir, deadline_s: float = 10.0, max_entries: int = 1_000_000) -> str | None:
+    """Remove the directory and everything in it, if it is still the one omnid made. Blocking
+    (call it off the event loop). None when it is gone; otherwise what is left and why."""
+    parent, name = os.path.split(d.path)
+    if not _NAME_RE.match(name):
+        return f"{d.path}: not an omnid private directory name; left alone"
+    try:
+        pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        return f"{d.path}: cannot open {parent}: {exc.strerror}"
+    try:
+        try:
+            st = os.lstat(name, dir_fd=pfd)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != (d.dev, d.ino) or \
+                (d.uid >= 0 and st.st_uid != d.uid):
+            return f"{d.path}: not the directory omnid made (replaced); left alone"
+        left = _remove_tree(pfd, name, time.monotonic() + deadline_s, [max_entries], (d.dev, d.ino))
+        return None if left is None else f"{d.path}: {left}"
+    finally:
+        os.close(pfd)
+
+
+def remove_if_empty(d: TmpDir) -> bool:
+    """The common case, cheap enough for the event loop: an empty directory, still the one
+    omnid made, removed with one rmdir. False: it is not empty (or not ours): the full
+    removal's business."""
+    try:
+        st = os.lstat(d.path)
+        if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != (d.dev, d.ino) or \
+                (d.uid >= 0 and st.st_uid != d.uid):
+            return False
+        os.rmdir(d.path)
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
+def _remove_tree(pfd: int, name: str, deadline: float, budget: list[int], ident: tuple[int, int]) -> str | None:
+    """rmtree's fd-based walk, iterative: every directory opened O_NOFOLLOW relative to its
+    parent's fd, links unlinked, never followed. Stops at the deadline or entry budget."""
+    try:
+        top = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+    except OSError as exc:
+        return f"cannot open: {exc.strerror}"
+    st = os.fstat(top)
+    if (st.st_dev, st.st_ino) != ident:  # swapped between the lstat and the open: not ours
+        os.close(top)
+        return "not the directory omnid made (replaced); left alone"
+    stack: list[tuple[int, str, int]] = [(pfd, name, top)]  # (parent fd, name, own fd)
+    try:
+        while stack:
+            if time.monotonic() > deadline or budget[0] <= 0:
+                return "not fully removed: its removal reached its bound (time or entries)"
+            parent_fd, dname, dfd = stack[-1]
+            descended = False
+            with os.scandir(dfd) as it:
+                for entry in it:
+                    budget[0] -= 1
+                    if budget[0] < 0 or time.monotonic() > deadline:
+                        return "not fully removed: its removal reached its bound (time or entries)"
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            sub = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                          dir_fd=dfd)
+                            stack.append((dfd, entry.name, sub))
+                            descended = True
+                            break
+                        os.unlink(entry.name, dir_fd=dfd)
+                    except FileNotFoundError:
+                        continue
+                    except OSError as exc:
+                        return f"cannot remove {entry.name}: {exc.strerror}"
+            if descended:
+                continue
+            stack.pop()
+            os.close(dfd)
+            try:
+                os.rmdir(dname, dir_fd=parent_fd)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                return f"cannot remove {dname}: {exc.strerror}"
+        return None
+    finally:
+        for _, _, fd in stack:
+            os.close(fd)
+
+
+class Record:
+    """tmpdirs.json in the daemon's state directory (only the daemon can write there, checked
+    at start): the directories made and not yet removed, so that a daemon after a SIGKILL
+    removes what its predecessor left -- and only that."""
+
+    def __init__(self, state_dir: str | Path) -> None:
+        self.path = Path(state_dir) / RECORD_NAME
+        self.dirs: dict[str, TmpDir] = {}  # path -> dir
+
+    def add(self, d: TmpDir) -> None:
+        self.dirs[d.path] = d
+        self._write()
+
+    def drop(self, d: TmpDir) -> None:
+        if self.dirs.pop(d.path, None) is not None:
+            self._write()
+
+    def _write(self) -> None:
+        data = json.dumps([d.to_json() for d in self.dirs.values()]).encode()
+        tmp = self.path.with_name(f".{RECORD_NAME}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.error("cannot write the private tmp record", path=str(self.path), error=str(exc))
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+    def previous(self) -> list[TmpDir]:
+        """What a previous daemon recorded (untrusted: a regular file of ours, size-capped)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            log.warning("private tmp record unreadable; ignoring it", path=str(self.path), error=str(exc))
+            return []
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES or st.st_uid != os.geteuid():
+                log.warning("private tmp record is not a small file of ours; ignoring it", path=str(self.path))
+                return []
+            raw = os.read(fd, MAX_RECORD_BYTES + 1)
+        finally:
+            os.close(fd)
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            log.warning("private tmp record is not JSON; ignoring it", path=str(self.path))
+            return []
+        out = [TmpDir.from_json(x) for x in data] if isinstance(data, list) else []
+        return [d for d in out if d is not None]
+
+    def sweep(self, previous: list[TmpDir], keep: set[str]) -> list[str]:
+        """Remove what the previous daemon recorded (`previous`, read before this daemon made
+        any) and no longer uses (a re-exec keeps the live units' directories: `keep`).
+        Returns the paths removed."""
+        removed = []
+        for d in previous:
+            if d.path in keep:
+                continue
+            left = remove(d, deadline_s=5.0)
+            if left is None:
+                removed.append(d.path)
+            else:
+                log.warning("a previous daemon's private tmp directory was not removed", unit=d.unit, why=left)
+        # Not rewritten here (a thread; the loop owns `dirs`): the next add or drop rewrites it,
+        # and an entry of a removed directory proves nothing to a later daemon (inode gone).
+        if removed:
+            log.info("removed private tmp directories a previous daemon left", paths=removed)
+        return removed

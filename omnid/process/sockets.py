@@ -1,0 +1,266 @@
+"""Listening sockets the daemon holds for its units (omnid.unit(5) `sockets`).
+
+A unit's sockets are bound and listening before its first start and stay open in the
+daemon for as long as the unit is in the stack: across its restarts, failures, stops and
+starts, `omnid reload` (an unchanged socket is kept, a changed one is a new socket) and
+`omnid reexec` (the fds are inherited and listed in the handover). The unit gets them as
+systemd passes a socket unit's sockets: fds 3, 4, ... with LISTEN_FDS, LISTEN_FDNAMES, and
+LISTEN_PID set by the spawner's child to its own pid between fork and exec. A client that
+connects while the unit restarts waits in the socket's backlog instead of being refused.
+
+Every bind error is a sentence naming the unit, the key and the address (address in use,
+permission), never a traceback: at the unit's start (its failure reason) and in `omnid
+check` (`probe`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import structlog
+
+from omnid.model.unitmodel import ListenSocket, Unit
+from omnid.model.unitvalues import parse_host_port
+
+log = structlog.get_logger("omnid.process.sockets")
+
+
+class BindError(Exception):
+    """A socket of a unit cannot be bound or listened on; the message says which and why."""
+
+
+@dataclass
+class Held:
+    spec: ListenSocket
+    sock: socket.socket
+    owner: tuple[int, int] = (-1, -1)  # a Unix socket's file owner, as set at bind
+
+    @property
+    def key(self) -> tuple:
+        """What makes it the same socket across a reload: its address and how it was bound
+        (a Unix socket's owner included); its name travels in LISTEN_FDNAMES only."""
+        s = self.spec
+        return (s.listen, s.backlog, s.mode if s.unix else 0, s.reuseport, self.owner)
+
+
+def _owner(unit: Unit) -> tuple[int, int]:
+    """The uid/gid a unit's Unix socket file gets: the unit's user and group (it runs as them)."""
+    import grp
+    import pwd
+
+    uid = gid = -1
+    try:
+        if unit.user:
+            pw = pwd.getpwnam(unit.user)
+            uid, gid = pw.pw_uid, pw.pw_gid
+        if unit.group:
+            gid = grp.getgrnam(unit.group).gr_gid
+    except KeyError:
+        pass  # the spawn names the unknown user or group
+    return uid, gid
+
+
+def _why(exc: OSError) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return "address in use (another process listens there)"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied ({exc.strerror})"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return "address not available on this host"
+    code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    return f"{code}: {exc.strerror}"
+
+
+def _unlink_stale(path: str, remove: bool = True) -> None:
+    """A socket file left by an earlier daemon is removed (`remove`); a live one (something
+    accepts on it) or a file that is not a socket is an error, never removed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise OSError(errno.EEXIST, "a file that is not a socket is there")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        probe.settimeout(0.5)
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        if remove:
+            os.unlink(path)  # nothing listens: a leftover
+        return
+    except OSError:
+        return  # let bind say what is wrong
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, "address in use")
+
+
+def bind(spec: ListenSocket, owner: tuple[int, int] = (-1, -1)) -> socket.socket:
+    """A listening, non-blocking, close-on-exec socket for `spec`; OSError from the kernel."""
+    if spec.unix:
+        _unlink_stale(spec.listen)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            # umask 0 for the bind (no window with a wider mode), the mode set exactly after it.
+            old = os.umask(0o777)
+            try:
+                sock.bind(spec.listen)
+            finally:
+                os.umask(old)
+            os.chmod(spec.listen, spec.mode)
+            if owner != (-1, -1):
+                os.chown(spec.listen, *owner)
+            sock.listen(spec.backlog)
+        except OSError:
+            sock.close()
+            raise
+        sock.setblocking(False)
+        return sock
+    host, port = parse_host_port(spec.listen)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT of a past run is no clash
+        if spec.reuseport:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # "[::]" is IPv6 only, as written
+        sock.bind((host, port))
+        sock.listen(spec.backlog)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+def describe(unit: Unit, index: int, exc: OSError) -> str:
+    spec = unit.sockets[index]
+    return f"sockets[{index}]: cannot listen on {spec.listen}: {_why(exc)}"
+
+
+class HeldSockets:
+    """The sockets the daemon holds, per unit instance, in the unit's `sockets` order."""
+
+    def __init__(self) -> None:
+        self.units: dict[str, list[Held]] = {}
+
+    def fds_for(self, unit: Unit) -> tuple[list[int], list[str]]:
+        """The unit's listening fds and their names, bound now where not held yet (a changed
+        socket replaces the old one). BindError names the socket that cannot be bound; the
+        ones already held stay held."""
+        held = self.units.get(unit.name, [])
+        owner = _owner(unit)
+        by_key = {h.key: h for h in held}
+        out: list[Held] = []
+        try:
+            for i, spec in enumerate(unit.sockets):
+                want = Held(spec, None, owner if spec.unix else (-1, -1))  # type: ignore[arg-type]
+                h = by_key.pop(want.key, None)
+                if h is None:
+                    # A changed address that is the same as an old one's (a mode changed) is
+                    # bound only once the old one is closed.
+                    for k, old in list(by_key.items()):
+                        if old.spec.listen == spec.listen:
+                            self._close(unit.name, by_key.pop(k))
+                    try:
+                        want.sock = bind(spec, want.owner)
+                    except OSError as exc:
+                        raise BindError(describe(unit, i, exc)) from None
+                    log.info("listening for a unit", unit=unit.name, listen=spec.listen, fd=want.sock.fileno())
+                    h = want
+                h.spec = spec  # the name may have changed: it is not part of the socket
+                out.append(h)
+        except BindError:
+            self.units[unit.name] = out + list(by_key.values())
+            raise
+        for old in by_key.values():
+            self._close(unit.name, old)
+        self.units[unit.name] = out
+        return [h.sock.fileno() for h in out], [h.spec.name for h in out]
+
+    def keep_only(self, units: Iterable[Unit]) -> None:
+        """After a reload: a unit no longer in the stack, or no longer declaring a socket,
+        has it closed now (its Unix socket file removed); changed ones are replaced at the
+        unit's next start."""
+        wanted = {u.name: {s.listen for s in u.sockets} for u in units}
+        for name in list(self.units):
+            keep = []
+            for h in self.units[name]:
+                if h.spec.listen in wanted.get(name, ()):
+                    keep.append(h)
+                else:
+                    self._close(name, h)
+            if keep:
+                self.units[name] = keep
+            else:
+                del self.units[name]
+
+    def fds(self) -> list[int]:
+        return [h.sock.fileno() for held in self.units.values() for h in held]
+
+    def close_all(self) -> None:
+        for name, held in list(self.units.items()):
+            for h in held:
+                self._close(name, h)
+        self.units.clear()
+
+    def _close(self, unit: str, h: Held) -> None:
+        if h.spec.unix:
+            try:
+                if os.path.exists(h.spec.listen) and stat.S_ISSOCK(os.lstat(h.spec.listen).st_mode):
+                    os.unlink(h.spec.listen)
+            except OSError as exc:
+                log.warning("cannot remove a unit's socket file", unit=unit, path=h.spec.listen, error=str(exc))
+        log.info("closed a unit's listening socket", unit=unit, listen=h.spec.listen)
+        h.sock.close()
+
+    # -- omnid reexec --------------------------------------------------------------------
+    def handover(self) -> dict:
+        return {name: [{"fd": h.sock.fileno(), "listen": h.spec.listen, "backlog": h.spec.backlog,
+                        "mode": h.spec.mode, "reuseport": h.spec.reuseport, "owner": list(h.owner)}
+                       for h in held] for name, held in self.units.items()}
+
+    def take_over(self, d: dict, units: dict[str, Unit]) -> None:
+        """The sockets a previous program of this daemon held, inherited as fds. One of a unit
+        no longer in the stack is closed; the rest are matched to the unit's sockets at its
+        next start as after a reload. ValueError/KeyError/TypeError on a malformed record."""
+        for name, items in d.items():
+            for it in items:
+                fd = int(it["fd"])
+                os.set_inheritable(fd, False)
+                sock = socket.socket(fileno=fd)
+                if sock.type != socket.SOCK_STREAM or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) != 1:
+                    sock.detach()
+                    raise ValueError(f"unit {name}: fd {fd} is not a listening stream socket")
+                sock.setblocking(False)
+                spec = ListenSocket(listen=str(it["listen"]), name="", backlog=int(it["backlog"]),
+                                    mode=int(it["mode"]), reuseport=bool(it["reuseport"]))
+                self.units.setdefault(name, []).append(Held(spec, sock, tuple(int(x) for x in it["owner"])))
+        self.keep_only(units.values())
+
+
+def probe(unit: Unit) -> list[tuple[int, str]]:
+    """`omnid check`: each socket of `unit` that cannot be bound now (address in use,
+    permission, no such directory), as (index, why); each is bound and closed at once."""
+    problems: list[tuple[int, str]] = []
+    for i, spec in enumerate(unit.sockets):
+        try:
+            if spec.unix and not os.path.isdir(os.path.dirname(spec.listen)):
+                raise OSError(errno.ENOENT, f"the directory {os.path.dirname(spec.listen)} does not exist")
+            if spec.unix and os.path.lexists(spec.listen):
+                _unlink_stale(spec.listen, remove=False)  # raises on a live one or a non-socket
+                continue  # a leftover: the daemon removes it and binds at start
+            sock = bind(spec)
+        except OSError as exc:
+            problems.append((i, f"cannot listen on {spec.listen}: {_why(exc)}"))
+            continue
+        sock.close()
+        if spec.unix:
+            os.unlink(spec.listen)
+    return problems

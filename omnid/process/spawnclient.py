@@ -1,0 +1,492 @@
+"""The daemon's side of the spawner protocol (see omnid/process/spawner.py).
+
+Starts the spawner by posix_spawn (vfork + exec: safe from a threaded process,
+never a fork of the daemon), then turns its datagrams into awaitable spawn
+results and exit reports on the daemon's event loop.
+
+Spawns asked for in one turn of the loop (a tier's units, started together) go out as one
+datagram at the end of that turn, their common environment once; a big tier goes out in parts
+of PIPELINE_SPAWNS as it is built, so the spawner starts the first children while the loop
+builds the rest. The spawner answers what one turn of its own loop learnt in one datagram
+too, pidfds attached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from omnid.base import linux
+from omnid.process import spawnstart
+from omnid.process.numa import Placement
+from omnid.process.spawnstart import SpawnerProcess
+
+log = structlog.get_logger("omnid.process.spawner")
+
+MAX_MESSAGE = 1 << 20
+
+
+@dataclass(frozen=True)
+class SpawnRequest:
+    unit: str
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    cwd: str | None = None
+    user: str | None = None
+    group: str | None = None
+    rlimits: tuple[tuple[int, int, int], ...] = ()
+    cgroup: str | None = None
+    # CPU affinity and memory policy set before exec (omnid.numa.placement_for); None = none.
+    placement: Placement | None = None
+    # The program to execve, found in the unit's PATH by the daemon (argv[0] stays as the
+    # unit wrote it); None: the child looks argv[0] up itself.
+    path: str | None = None
+    # Listening sockets (omnid.sockets) and stored fds the child gets as fds 3, 4, ... with
+    # LISTEN_PID set to its own pid; LISTEN_FDS and LISTEN_FDNAMES are in `env`.
+    listen_fds: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Spawned:
+    pid: int
+    pidfd: int
+    start_time: int
+
+
+class SpawnError(Exception):
+    """The child could not be started; the message says which step and why; `errno` is
+    exec(2)'s error number when it was exec that failed (else None)."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
+@dataclass(frozen=True)
+class ExitReport:
+    pid: int
+    status: int
+    adopted: bool
+
+
+class SpawnerGone(Exception):
+    pass
+
+
+# ------------------------------------------------------------- protocol messages
+# Typed on both edges: the daemon builds `SpawnRequest.to_wire`, and every datagram
+# from the spawner is decoded once, here, into one of the frozen dataclasses below;
+# nothing downstream reads a raw dict.
+
+class ProtocolError(ValueError):
+    """A spawner message that does not have the shape this module expects."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    pid: int
+    exec_path: str | None = None  # "compiled" (omnid._spawnc) or "python": how children are set up
+
+
+@dataclass(frozen=True)
+class SpawnedMsg:
+    id: int
+    pid: int
+    start_time: int
+
+
+@dataclass(frozen=True)
+class SpawnFailedMsg:
+    id: int
+    error: str
+    errno: int = 0  # exec(2)'s errno when exec failed, else 0
+
+
+SpawnerMessage = Hello | SpawnedMsg | SpawnFailedMsg | ExitReport
+
+_FIELDS: dict[str, tuple[type, tuple[tuple[str, type], ...]]] = {
+    "hello": (Hello, (("pid", int),)),
+    "spawned": (SpawnedMsg, (("id", int), ("pid", int), ("start_time", int))),
+    "spawn_failed": (SpawnFailedMsg, (("id", int), ("error", str), ("errno", int))),
+    "exit": (ExitReport, (("pid", int), ("status", int), ("adopted", bool))),
+}
+
+
+def decode(msg: object) -> SpawnerMessage:
+    """One spawner datagram (parsed JSON) as its typed message; ProtocolError names the op and field."""
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"message is a {type(msg).__name__}, not an object")
+    op = msg.get("op")
+    if op not in _FIELDS:
+        raise ProtocolError(f"unknown op {op!r}")
+    cls, fields = _FIELDS[op]
+    values = []
+    for name, typ in fields:
+        v = msg.get(name)
+        if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+            raise ProtocolError(f"{op}: field {name!r} must be {typ.__name__}, got {v!r}")
+        values.append(v)
+    if op == "hello" and isinstance(msg.get("exec_path"), str):  # optional: older spawners lack it
+        values.append(msg["exec_path"][:32])
+    return cls(*values)
+
+
+def spawn_wire(rid: int, req: SpawnRequest) -> dict:
+    """The spawn request as the spawner reads it (see omnid/process/spawner.py)."""
+    return {"op": "spawn", "id": rid, "unit": req.unit, "argv": list(req.argv), "env": req.env, "cwd": req.cwd,
+            "user": req.user, "group": req.group, "rlimits": [list(r) for r in req.rlimits], "cgroup": req.cgroup,
+            "placement": req.placement.to_wire() if req.placement is not None else None, "path": req.path,
+            "nlisten": len(req.listen_fds)}
+
+
+# Requests queued in one turn are sent once this many are ready, the rest at the turn's end.
+PIPELINE_SPAWNS = 32
+MAX_BATCH_FDS = 250  # fds in one datagram (the kernel's SCM_MAX_FD is 253)
+MAX_BATCH_BYTES = MAX_MESSAGE // 2
+
+
+@dataclass
+class _Queued:
+    """A spawn waiting for the end of this turn of the loop."""
+
+    rid: int
+    wire: dict  # spawn_wire without its env
+    env: dict[str, str]
+    fds: list[int]  # the caller's, which it keeps open until its spawn() returns
+
+
+def batch_datagrams(queued: list[_Queued]) -> list[tuple[bytes, list[int], list[_Queued]]]:
+    """The queued spawns as datagrams: each with the first spawn's environment as the base
+    and, per spawn, only what differs; within the kernel's fd limit and MAX_BATCH_BYTES."""
+    out: list[tuple[bytes, list[int], list[_Queued]]] = []
+    i = 0
+    while i < len(queued):
+        base = queued[i].env
+        head = b'{"op": "spawn", "env": ' + json.dumps(base).encode() + b', "batch": ['
+        items: list[bytes] = []
+        fds: list[int] = []
+        taken: list[_Queued] = []
+        size = len(head)
+        while i < len(queued):
+            q = queued[i]
+            delta = {k: v for k, v in q.env.items() if base.get(k) != v} if q.env is not base else {}
+            unset = [k for k in base if k not in q.env] if q.env is not base else []
+            item = json.dumps({**q.wire, "env": delta, "unset": unset, "nfds": len(q.fds)}).encode()
+            if taken and (len(fds) + len(q.fds) > MAX_BATCH_FDS or size + len(item) > MAX_BATCH_BYTES):
+                break
+            items.append(item)
+            fds.extend(q.fds)
+            taken.append(q)
+            size += len(item) + 2
+            i += 1
+        out.append((head + b", ".join(items) + b"]}", fds, taken))
+    return out
+
+
+class SpawnerClient:
+    """One running spawner process and the socket to it."""
+
+    def __init__(self, on_exit: Callable[[ExitReport], None], on_gone: Callable[[], None]) -> None:
+        self._on_exit = on_exit
+        self._on_gone = on_gone
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self.sock: socket.socket | None = None
+        self.pid = 0
+        self.pidfd = -1
+        self.start_time = 0
+        self._hello: asyncio.Future | None = None
+        # How the spawner sets a child up between fork and exec, from its hello (or the handover).
+        self.exec_path: str | None = None
+        self._closed = False
+        self._queue: list[_Queued] = []  # spawns of this turn of the loop, not sent yet
+        self._kills: list[int] = []  # children no unit owns, to be killed by the spawner, not asked yet
+        self._flush_scheduled = False
+        self._writer = False  # waiting for room in the socket buffer
+        self._hello_timer: asyncio.TimerHandle | None = None
+
+    def launch(self, started: SpawnerProcess | None = None) -> None:
+        """Start the spawner by exec (or take over one `omnid.spawnstart.launch` started).
+        Callable before the event loop runs."""
+        started = started or spawnstart.launch()
+        started.adopted = True
+        self.pid, self.pidfd, self.start_time, self.sock = started.pid, started.pidfd, started.start_time, started.sock
+
+    async def attach(self, timeout: float = 10.0) -> None:
+        """Watch the spawner's socket and pidfd from the loop. Spawn requests may be sent at
+        once (the kernel holds them until the spawner reads); a spawner that has not said
+        hello within `timeout` is given up as gone."""
+        loop = asyncio.get_running_loop()
+        self._hello = loop.create_future()
+        assert self.sock is not None
+        loop.add_reader(self.sock.fileno(), self._readable)
+        loop.add_reader(self.pidfd, self._spawner_died)
+        self._hello_timer = loop.call_later(timeout, self._no_hello, timeout)
+
+    async def wait_ready(self, timeout: float = 10.0) -> int:
+        """Until the spawner has said hello (its pid); spawns need not wait for this."""
+        assert self._hello is not None, "attach() first"
+        return await asyncio.wait_for(asyncio.shield(self._hello), timeout)
+
+    def _no_hello(self, timeout: float) -> None:
+        if self._hello is None or self._hello.done() or self._closed:
+            return
+        log.error("the spawner did not answer; giving it up", pid=self.pid, seconds=timeout)
+        linux.pidfd_send_signal(self.pidfd, signal.SIGKILL)  # its death runs _spawner_died
+
+    def adopt(self, pid: int, pidfd: int, sock_fd: int, start_time: int, exec_path: str | None = None) -> None:
+        """Take over the spawner a previous program of this daemon started (omnid reexec):
+        same process, same socket; what it said meanwhile is waiting in the socket."""
+        self.pid, self.pidfd, self.start_time = pid, pidfd, start_time
+        self.exec_path = exec_path
+        for fd in (pidfd, sock_fd):
+            os.set_inheritable(fd, False)
+        self.sock = socket.socket(fileno=sock_fd)
+        self.sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.sock.fileno(), self._readable)
+        loop.add_reader(self.pidfd, self._spawner_died)
+
+    def handover(self) -> dict:
+        assert self.sock is not None
+        return {"pid": self.pid, "pidfd": self.pidfd, "sock": self.sock.fileno(), "start_time": self.start_time,
+                "exec_path": self.exec_path}
+
+    def _spawner_died(self) -> None:
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        if self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self.pidfd)
+        # Read what it still had to say (exit reports) before declaring it gone.
+        self._readable()
+        self._fail_pending(f"spawner (pid {self.pid}) died")
+        self._closed = True
+        if self.sock is not None:
+            loop.remove_reader(self.sock.fileno())
+        self._on_gone()
+
+    def _fail_pending(self, why: str) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(SpawnError(why))
+        self._pending.clear()
+
+    def _readable(self) -> None:
+        assert self.sock is not None
+        while True:
+            try:
+                data, fds = linux.recv_fds(self.sock, MAX_MESSAGE, MAX_BATCH_FDS + 3)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                log.error("spawner socket error", error=str(exc))
+                return
+            if not data:
+                return
+            try:
+                msg = json.loads(data)
+            except ValueError:
+                log.error("spawner sent a malformed message", data=data[:200])
+                for fd in fds:
+                    os.close(fd)
+                continue
+            if isinstance(msg, dict) and msg.get("op") == "batch":
+                self._dispatch_batch(msg, fds)
+            else:
+                self._dispatch(msg, fds)
+
+    def _dispatch_batch(self, msg: dict, fds: list[int]) -> None:
+        """The events of one turn of the spawner's loop, in order; each "spawned" takes the
+        next pidfd."""
+        events = msg.get("events")
+        if not isinstance(events, list):
+            log.error("spawner sent a malformed message", error="batch without a list of events")
+            events = []
+        at = 0
+        for ev in events:
+            own: list[int] = []
+            if isinstance(ev, dict) and ev.get("op") == "spawned" and at < len(fds):
+                own, at = [fds[at]], at + 1
+            self._dispatch(ev, own)
+        for fd in fds[at:]:
+            os.close(fd)
+
+    def _dispatch(self, raw: dict, fds: list[int]) -> None:
+        try:
+            msg = decode(raw)
+        except ProtocolError as exc:
+            log.error("spawner sent a malformed message", error=str(exc))
+            for fd in fds:
+                os.close(fd)
+            return
+        if isinstance(msg, ExitReport):
+            self._on_exit(msg)
+        elif isinstance(msg, SpawnedMsg):
+            fut = self._pending.pop(msg.id, None)
+            if fut is None or fut.done() or not fds:
+                # No pidfd (the kernel dropped it: EMFILE here) or no one waiting: a process
+                # no unit owns must not run. The spawner kills its own unreaped child.
+                for fd in fds:
+                    os.close(fd)
+                self._kill_unowned(msg.pid)
+                if fut is not None and not fut.done():
+                    fut.set_exception(SpawnError(
+                        "spawn failed: EMFILE: the daemon could not receive the process's pidfd (too many "
+                        f"open files); pid {msg.pid} was killed"))
+                return
+            fut.set_result(Spawned(msg.pid, fds[0], msg.start_time))
+            for fd in fds[1:]:
+                os.close(fd)
+        elif isinstance(msg, SpawnFailedMsg):
+            fut = self._pending.pop(msg.id, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(SpawnError(msg.error, msg.errno or None))
+        elif isinstance(msg, Hello):
+            self.exec_path = msg.exec_path
+            if self._hello is not None and not self._hello.done():
+                self._hello.set_result(msg.pid)
+                if self._hello_timer is not None:
+                    self._hello_timer.cancel()
+
+    def _kill_unowned(self, pid: int) -> None:
+        """Ask the spawner to kill a child no unit owns. The socket is non-blocking: on a full
+        buffer the request waits in `_kills` (sent first by _flush, when there is room), never
+        dropped -- else the child would run with no pidfd and no unit."""
+        self._kills.append(pid)
+        self._flush()
+
+    async def spawn(self, req: SpawnRequest, out_w: int, err_w: int | None = None) -> Spawned:
+        """Spawn one unit process; out_w becomes its stdout, err_w its stderr (out_w when None).
+        The caller keeps its fds open until this returns (they are sent at the end of this turn
+        of the loop, with the other spawns asked for in it; see the module docstring)."""
+        if self._closed or self.sock is None:
+            raise SpawnError("spawner is not running")
+        rid = next(self._ids)
+        wire = spawn_wire(rid, req)
+        env = wire.pop("env")
+        # What JSON makes of it, near enough for a guard (escapes aside).
+        size = sum(len(a) + 4 for a in req.argv) + sum(len(k) + len(v) + 6 for k, v in env.items())
+        if size > MAX_BATCH_BYTES:
+            raise SpawnError(f"spawn request too large ({size} bytes): environment or argv too big")
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        queued = _Queued(rid, wire, env, [out_w] if err_w is None else [out_w, err_w])
+        queued.fds.extend(req.listen_fds)  # after stdio: the spawner counts them from the end
+        self._queue.append(queued)
+        if len(self._queue) >= PIPELINE_SPAWNS and not self._writer:
+            # A big tier goes out in parts as it is built: the spawner starts the first
+            # children while this loop builds the next requests (two CPUs at work, not one).
+            self._flush()
+        elif not self._flush_scheduled and not self._writer:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # The caller's fds travel by reference until sent: a caller that gives up first
+            # (and closes them) takes its request back; once sent, the kernel holds copies.
+            if queued in self._queue:
+                self._queue.remove(queued)
+                self._pending.pop(rid, None)
+            raise
+
+    def _flush(self) -> None:
+        """Send what this turn of the loop queued; on a full socket buffer, the rest waits
+        for room (add_writer) and goes out in order."""
+        self._flush_scheduled = False
+        loop = asyncio.get_running_loop()
+        while self._kills and self.sock is not None and not self._closed:
+            try:
+                self.sock.send(json.dumps({"op": "kill", "pid": self._kills[0]}).encode())
+            except BlockingIOError:
+                if not self._writer:
+                    self._writer = True
+                    loop.add_writer(self.sock.fileno(), self._flush)
+                return  # the kill and the spawns after it wait for room, in order
+            except OSError as exc:
+                # The spawner is gone: its children die with it (PDEATHSIG).
+                log.error("cannot ask the spawner to kill an unowned child", pid=self._kills[0], error=str(exc))
+            del self._kills[0]
+        if self._queue and self.sock is not None and not self._closed:
+            for data, fds, taken in batch_datagrams(self._queue):
+                try:
+                    socket.send_fds(self.sock, [data], fds)
+                except BlockingIOError:
+                    if not self._writer:
+                        self._writer = True
+                        loop.add_writer(self.sock.fileno(), self._flush)
+                    return  # the rest stays queued, in order
+                except OSError as exc:
+                    log.error("cannot send spawn requests to the spawner", error=str(exc))
+                    for q in taken:
+                        self._fail_queued(q, f"spawn failed: the spawner cannot be reached: {exc.strerror}")
+                    del self._queue[:len(taken)]
+                    continue
+                del self._queue[:len(taken)]
+        if self._writer:
+            self._writer = False
+            if self.sock is not None:
+                loop.remove_writer(self.sock.fileno())
+        for q in self._queue:  # the spawner went away with these still queued
+            self._fail_queued(q, "spawner is not running")
+        self._queue.clear()
+
+    def _fail_queued(self, q: _Queued, why: str) -> None:
+        fut = self._pending.pop(q.rid, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(SpawnError(why))
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Ask the spawner to exit, wait for it, reap it (it is our only child)."""
+        if self.sock is None:
+            return
+        loop = asyncio.get_running_loop()
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        if self._writer:
+            self._writer = False
+            loop.remove_writer(self.sock.fileno())
+        for q in self._queue:
+            self._fail_queued(q, "spawner is shutting down")
+        self._queue.clear()
+        if not self._closed:
+            self._closed = True
+            try:
+                self.sock.send(json.dumps({"op": "shutdown"}).encode())
+            except OSError:
+                pass
+            loop.remove_reader(self.sock.fileno())
+            loop.remove_reader(self.pidfd)
+        exited = loop.create_future()
+        loop.add_reader(self.pidfd, lambda: exited.done() or exited.set_result(None))
+        try:
+            await asyncio.wait_for(exited, timeout)
+        except asyncio.TimeoutError:
+            log.warning("spawner did not exit; killing it", pid=self.pid)
+            linux.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            await asyncio.wait_for(exited, timeout)
+        finally:
+            loop.remove_reader(self.pidfd)
+        self.reap()
+
+    def reap(self) -> None:
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None

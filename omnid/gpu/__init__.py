@@ -42,7 +42,7 @@ from omnid.gpu.events import XidEvent
 from omnid.gpu.faults import GpuCondition, affects, health_view, start_refusal, worst
 from omnid.gpu.items import GpuItem, is_mig, label
 from omnid.gpu.nvml import NvmlBackend
-from omnid.gpu.testing import FAKE_GPU_ENV, FakeGpuBackend, write_fake_gpu_file
+from omnid.gpu.fake import FAKE_GPU_ENV, FakeGpuBackend, write_fake_gpu_file
 from omnid.gpu.xid import classify as classify_xid
 
 __all__ = ["FAKE_GPU_ENV", "FakeGpuBackend", "GpuBackend", "GpuCondition", "GpuInfo", "GpuItem", "GpuProcess",

@@ -317,7 +317,7 @@ def test_no_gpu_backend_answers_empty_and_never_raises() -> None:
     assert gpu.describe(backend) == "none: " + backend.reason
 
 
-def test_open_backend_without_fake_or_nvml_gives_no_gpu_reason(
+def test_fake_nvml_open_backend_without_the_library_gives_no_gpu_reason(
         monkeypatch: pytest.MonkeyPatch) -> None:
     pynvml = pytest.importorskip("pynvml")
     monkeypatch.delenv("OMNID_DEVELOPER_FAKE_GPU", raising=False)

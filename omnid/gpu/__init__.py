@@ -86,7 +86,7 @@ def open_backend() -> GpuBackend:
 
 def developer_fake() -> GpuBackend | None:
     """The fake GPU backend when the developer option asks for it and nothing refuses it,
-    else None (the real backends), having logged why at error level.
+    else None (the real backends; a refusal is logged as an error naming the reason).
 
     It cannot be switched on by accident in production: only this variable turns it on
     (no flag, no setting, no control request); it is refused in the main process of a

@@ -8,7 +8,11 @@ skipped, with the reason, on a machine without one.
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import contextlib
+import io
+import os
 import subprocess
 import sys
 import textwrap
@@ -16,10 +20,10 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog.testing
 
 from omnid import gpu
 from omnid.gpu import (
-    FakeGpuBackend,
     GpuInfo,
     GpuProcess,
     NoGpuBackend,
@@ -28,8 +32,8 @@ from omnid.gpu import (
     memory_held_by,
     open_backend,
     wait_released,
-    write_fake_gpu_file,
 )
+from omnid.gpu.fake import FakeGpuBackend, write_fake_gpu_file
 from tests.harness import wait_for
 
 
@@ -148,11 +152,94 @@ def test_fake_gpu_file_from_env_is_what_open_backend_uses(tmp_path: Path,
     path = tmp_path / "gpu.json"
     write_fake_gpu_file(path, {"gpus": [{"index": 0, "name": "fake H100", "total_mib": 1000}],
                                "processes": [{"pid": 77, "gpu": 0, "used_mib": 250}]})
-    monkeypatch.setenv("OMNID_FAKE_GPU", str(path))
+    monkeypatch.setenv("OMNID_DEVELOPER_FAKE_GPU", str(path))
     backend = open_backend()
     assert isinstance(backend, FakeGpuBackend) and backend.kind == "fake"
     assert backend.gpus() == [GpuInfo(0, "fake H100", 1000, 750, 250)]
     assert memory_held_by(backend, [77]) == [GpuProcess(77, 0, 250)]
+
+
+def _open_refused(monkeypatch: pytest.MonkeyPatch) -> tuple[gpu.GpuBackend, list[dict]]:
+    """open_backend() with no driver to fall back on; the backend and what it logged."""
+    monkeypatch.setattr(gpu, "DRIVER_PATHS", ("/nonexistent/omnid-test-no-driver",))
+    with structlog.testing.capture_logs() as logs:
+        backend = open_backend()
+    return backend, logs
+
+
+def test_fake_gpu_developer_option_is_refused_in_a_systemd_service(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "gpu.json"
+    write_fake_gpu_file(path, {"gpus": [{"index": 0, "total_mib": 1000}], "processes": []})
+    monkeypatch.setenv("OMNID_DEVELOPER_FAKE_GPU", str(path))
+    monkeypatch.setenv("SYSTEMD_EXEC_PID", str(os.getpid()))  # what systemd sets for a service's main process
+    backend, logs = _open_refused(monkeypatch)
+    assert backend.kind == "none", backend
+    [refused] = [e for e in logs if "refused" in e["event"]]
+    assert refused["log_level"] == "error" and "systemd service" in refused["reason"], logs
+    # The same variable inherited by another process of the service (a test daemon under
+    # a CI runner that is a service) is not the service's main process.
+    monkeypatch.setenv("SYSTEMD_EXEC_PID", str(os.getppid()))
+    monkeypatch.delenv("INVOCATION_ID", raising=False)
+    assert open_backend().kind == "fake"
+
+
+@pytest.mark.parametrize("dir_mode, file_mode, says", [
+    (0o777, 0o644, "its directory"),   # another user could replace the file
+    (0o700, 0o666, "writable by its group and others"),
+])
+def test_fake_gpu_developer_option_refuses_a_file_others_could_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     dir_mode: int, file_mode: int,
+                                                                     says: str) -> None:
+    where = tmp_path / "shared"
+    where.mkdir()
+    path = where / "gpu.json"
+    write_fake_gpu_file(path, {"gpus": [{"index": 0, "total_mib": 1000}], "processes": []})
+    path.chmod(file_mode)
+    where.chmod(dir_mode)
+    monkeypatch.setenv("OMNID_DEVELOPER_FAKE_GPU", str(path))
+    monkeypatch.delenv("SYSTEMD_EXEC_PID", raising=False)
+    backend, logs = _open_refused(monkeypatch)
+    assert backend.kind == "none", backend
+    [refused] = [e for e in logs if "refused" in e["event"]]
+    assert says in refused["reason"] and str(path) in refused["reason"], refused
+
+
+def test_fake_gpu_old_variable_is_said_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "gpu.json"
+    write_fake_gpu_file(path, {"gpus": [{"index": 0, "total_mib": 1000}], "processes": []})
+    monkeypatch.delenv("OMNID_DEVELOPER_FAKE_GPU", raising=False)
+    monkeypatch.setenv("OMNID_FAKE_GPU", str(path))
+    backend, logs = _open_refused(monkeypatch)
+    assert backend.kind == "none", backend
+    assert any(e["log_level"] == "error" and "OMNID_DEVELOPER_FAKE_GPU" in e["event"] for e in logs), logs
+
+
+def test_fake_gpu_module_is_never_imported_without_the_developer_option() -> None:
+    """Production never loads the test double: checked in a fresh interpreter."""
+    code = ("import os, sys; os.environ.pop('OMNID_DEVELOPER_FAKE_GPU', None); from omnid import gpu; "
+            "b = gpu.open_backend(); print(b.kind, 'omnid.gpu.fake' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    kind, imported = out.stdout.splitlines()[-1].split()
+    assert kind != "fake" and imported == "False", out.stdout
+
+
+def test_fake_gpu_status_says_fake_and_the_demo_worker_reads_the_same_option() -> None:
+    from omnid.cli.render import print_gpu
+
+    st = gpu.status(FakeGpuBackend())
+    assert st["backend"] == "fake" and "OMNID_DEVELOPER_FAKE_GPU" in st["warning"], st
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        print_gpu(st)
+    assert f"GPU: {st['warning']}" in buf.getvalue().splitlines()
+    # The demo worker names the option again rather than import omnid.gpu (read without
+    # importing the worker: that loads torch).
+    tree = ast.parse((Path(gpu.__file__).parent.parent / "demo" / "worker.py").read_text())
+    [value] = [n.value.value for n in tree.body if isinstance(n, ast.Assign)
+               and [getattr(t, "id", None) for t in n.targets] == ["FAKE_GPU_ENV"]]
+    assert value == gpu.FAKE_GPU_ENV == "OMNID_DEVELOPER_FAKE_GPU"
 
 
 def test_fake_gpu_file_is_reread_on_every_call(tmp_path: Path) -> None:
@@ -185,7 +272,7 @@ def test_fake_gpu_release_by_another_process_ends_the_wait(tmp_path: Path) -> No
     backend.set_process(4321, 4096)
     releaser = textwrap.dedent(f"""
         import time
-        from omnid.gpu import FakeGpuBackend
+        from omnid.gpu.fake import FakeGpuBackend
         time.sleep(0.3)
         FakeGpuBackend({str(path)!r}).release(4321)
     """)
@@ -230,10 +317,10 @@ def test_no_gpu_backend_answers_empty_and_never_raises() -> None:
     assert gpu.describe(backend) == "none: " + backend.reason
 
 
-def test_open_backend_without_fake_or_nvml_gives_no_gpu_reason(
+def test_fake_nvml_open_backend_without_the_library_gives_no_gpu_reason(
         monkeypatch: pytest.MonkeyPatch) -> None:
     pynvml = pytest.importorskip("pynvml")
-    monkeypatch.delenv("OMNID_FAKE_GPU", raising=False)
+    monkeypatch.delenv("OMNID_DEVELOPER_FAKE_GPU", raising=False)
 
     def no_library() -> None:
         raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
@@ -250,7 +337,7 @@ def test_open_backend_where_no_driver_is_never_loads_nvml() -> None:
     present = [p for p in gpu.DRIVER_PATHS if Path(p).exists()]
     if present:
         pytest.skip(f"this host has an NVIDIA driver ({', '.join(present)})")
-    code = ("import sys, os; os.environ.pop('OMNID_FAKE_GPU', None); from omnid import gpu; "
+    code = ("import sys, os; os.environ.pop('OMNID_DEVELOPER_FAKE_GPU', None); from omnid import gpu; "
             "b = gpu.open_backend(); print(b.kind, 'pynvml' in sys.modules); print(b.reason)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 
 
-from omnid.gpu import write_fake_gpu_file
+from omnid.gpu.fake import write_fake_gpu_file
 from tests.harness import make_stack, wait_for
 
 
@@ -14,7 +14,7 @@ def test_fake_gpu_min_free_mib_degrades_health_and_recovers(tmp_path, daemon_fac
     fake = tmp_path / "gpu.json"
     write_fake_gpu_file(fake, {"gpus": [{"index": 0, "total_mib": 8000, "free_mib": 8000}], "processes": []})
     stack = make_stack({"worker": 'exec = ["sleep", "1000"]\ngpus = [0]\ngpu_min_free_mib = 1000\n'})
-    d = daemon_factory(stack, env={"OMNID_FAKE_GPU": str(fake), "OMNID_GPU_INTERVAL": "0.1"})
+    d = daemon_factory(stack, env={"OMNID_DEVELOPER_FAKE_GPU": str(fake), "OMNID_GPU_INTERVAL": "0.1"})
     d.wait_state("worker", "active")
     wait_for(lambda: d.http("/health")[0] == 200, 5, "200 with enough free GPU memory")
     # Another job takes the GPU's memory.
@@ -26,6 +26,28 @@ def test_fake_gpu_min_free_mib_degrades_health_and_recovers(tmp_path, daemon_fac
     wait_for(lambda: d.http("/health")[0] == 200, 5, "200 again once the memory is freed")
 
 
+def test_fake_gpu_developer_option_is_said_at_start_in_health_and_in_status(tmp_path, daemon_factory):
+    """The fake backend cannot go unnoticed: an error in the log at every start, `gpu_backend`
+    in /health, a line in `omnid status`."""
+    import sys
+
+    from tests.harness import REPO, repo_pythonpath
+
+    fake = tmp_path / "gpu.json"
+    write_fake_gpu_file(fake, {"gpus": [{"index": 0, "total_mib": 8000}], "processes": []})
+    d = daemon_factory(make_stack({"worker": 'exec = ["sleep", "1000"]\ngpus = [0]\n'}),
+                       env={"OMNID_DEVELOPER_FAKE_GPU": str(fake)})
+    d.wait_state("worker", "active")
+    said = [e for e in d.log_events() if e.get("event", "").startswith("gpu: FAKE GPU BACKEND")]
+    assert [(e.get("level"), e.get("path")) for e in said] == [("error", str(fake))], d.log()[-2000:]
+    code, body = wait_for(lambda: (r := d.http("/health"))[0] == 200 and r, 5, "200 from /health")
+    assert body["gpu_backend"] == "fake", body
+    out = subprocess.run([sys.executable, "-m", "omnid", "--control", d.control, "status"], capture_output=True,
+                         text=True, timeout=30, cwd=str(REPO), env=dict(__import__("os").environ,
+                                                                        PYTHONPATH=repo_pythonpath()))
+    assert "GPU: FAKE GPU backend (developer option OMNID_DEVELOPER_FAKE_GPU): not real GPUs" in out.stdout, out
+
+
 def test_fake_gpu_held_by_a_leftover_refuses_to_start_naming_the_pid(tmp_path, daemon_factory):
     import os
 
@@ -35,7 +57,7 @@ def test_fake_gpu_held_by_a_leftover_refuses_to_start_naming_the_pid(tmp_path, d
         write_fake_gpu_file(fake, {"gpus": [{"index": 0, "total_mib": 8000}],
                                    "processes": [{"pid": leftover.pid, "gpu": 0, "used_mib": 2048}]})
         stack = make_stack({"worker": 'exec = ["sleep", "1000"]\ngpus = [0]\n'})
-        d = daemon_factory(stack, env={"OMNID_FAKE_GPU": str(fake)})
+        d = daemon_factory(stack, env={"OMNID_DEVELOPER_FAKE_GPU": str(fake)})
         u = d.wait_state("worker", "failed")
         assert f"pid {leftover.pid}" in u["reason"] and "GPU 0" in u["reason"] and "refusing" in u["reason"]
     finally:
@@ -60,7 +82,7 @@ def test_fake_gpu_restart_waits_until_the_dead_workers_memory_is_released(tmp_pa
     write_fake_gpu_file(fake, {"gpus": [{"index": 0, "total_mib": 8000}], "processes": []})
     stack = make_stack({"worker": 'exec = ["sleep", "1000"]\ngpus = [0]\nrestart = "on-failure"\n'
                                   'restart_sec = 0.1\nkill_timeout = 10\n'})
-    d = daemon_factory(stack, env={"OMNID_FAKE_GPU": str(fake)})
+    d = daemon_factory(stack, env={"OMNID_DEVELOPER_FAKE_GPU": str(fake)})
     old = d.wait_state("worker", "active")["pid"]
     _held_by(fake, old)  # what NVML shows while the worker runs, and after its death
     fault = time.monotonic()
@@ -93,7 +115,7 @@ def test_fake_gpu_memory_still_held_after_stop_is_reported_by_pid(tmp_path, daem
     write_fake_gpu_file(fake, {"gpus": [{"index": 0, "total_mib": 8000}], "processes": []})
     stack = make_stack({"worker": 'exec = ["sleep", "1000"]\ngpus = [0]\nkill_timeout = 0.5\n',
                         "other": 'exec = ["sleep", "1000"]\ngpus = [0]\nkill_timeout = 0.5\n'})
-    d = daemon_factory(stack, env={"OMNID_FAKE_GPU": str(fake)})
+    d = daemon_factory(stack, env={"OMNID_DEVELOPER_FAKE_GPU": str(fake)})
     pid = d.wait_state("worker", "active")["pid"]
     _held_by(fake, pid, 3072)
     summary = d.ok("stop", {"units": ["worker"]})["summary"]
@@ -116,12 +138,12 @@ def test_fake_gpu_memory_still_held_after_stop_is_reported_by_pid(tmp_path, daem
 
 
 def _gpu_daemon(tmp_path, daemon_factory, units: dict[str, str], **env: str):
-    from omnid.gpu import FakeGpuBackend
+    from omnid.gpu.fake import FakeGpuBackend
 
     path = tmp_path / "gpu.json"
     write_fake_gpu_file(path, {"gpus": [{"index": 0, "total_mib": 8000}, {"index": 1, "total_mib": 8000}],
                                "processes": []})
-    d = daemon_factory(make_stack(units), env={"OMNID_FAKE_GPU": str(path), "OMNID_GPU_INTERVAL": "0.1", **env})
+    d = daemon_factory(make_stack(units), env={"OMNID_DEVELOPER_FAKE_GPU": str(path), "OMNID_GPU_INTERVAL": "0.1", **env})
     return d, FakeGpuBackend(path)
 
 

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from omnid import gpu
-from omnid.gpu import (FakeGpuBackend, GpuUnreadable, NvmlBackend, affects, classify_xid, health_view, start_refusal,
-                       wait_released, worst)
+from omnid.gpu import (GpuUnreadable, NvmlBackend, affects, classify_xid, health_view, start_refusal, wait_released,
+                       worst)
 from omnid.gpu import watch as watch_mod
+from omnid.gpu.fake import FakeGpuBackend
 from omnid.core.lifecycle import UnitState as S
 from tests.harness import wait_for
 

@@ -239,7 +239,8 @@ def test_gpu_watch_that_crashes_is_restarted_fake_gpu_no_hardware(monkeypatch, t
     an exception injected into its policy once; it is logged, restarted, and then
     publishes the degraded units."""
     from omnid.daemon import main as daemon_mod
-    from omnid.gpu import FakeGpuBackend, watch, write_fake_gpu_file
+    from omnid.gpu import watch
+    from omnid.gpu.fake import FakeGpuBackend, write_fake_gpu_file
 
     path = tmp_path / "gpu.json"
     write_fake_gpu_file(path, {"gpus": [{"index": 0, "name": "fake", "total_mib": 1000, "used_mib": 990}],

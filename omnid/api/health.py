@@ -293,6 +293,8 @@ class HealthServer:
         }
         if gpus:
             body["gpus"] = gpus  # each GPU with a condition, its status, reason and units
+        if getattr(getattr(self.sup, "gpu", None), "kind", None) == "fake":
+            body["gpu_backend"] = "fake"  # the developer option (omnid.gpu.fake): never unnoticed
         return web.json_response(body, status=200 if status == "ok" else 503)
 
     async def live(self, _req: web.Request) -> web.Response:

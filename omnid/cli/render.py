@@ -449,11 +449,12 @@ def print_captures(captures: list[dict]) -> None:
 
 
 def print_gpu(gpu: dict | None) -> None:
-    """Below `omnid status`: the GPU backend when it cannot be read, and each GPU condition
-    (an Xid, memory health, a stuck read) with the units it reaches."""
+    """Below `omnid status`: the GPU backend when it cannot be read or is the developer's
+    fake, and each GPU condition (an Xid, memory health, a stuck read) with the units it
+    reaches."""
     if not gpu or gpu.get("backend") in (None, "none"):
         return
-    lines = []
+    lines = [f"GPU: {gpu['warning']}"] if gpu.get("warning") else []  # the fake backend
     if not gpu.get("readable"):
         stuck = gpu.get("stuck_threads") or 0
         lines.append(f"GPU: {gpu['backend']} {gpu.get('reason') or 'unreadable'}"

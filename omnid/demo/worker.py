@@ -277,10 +277,17 @@ def run(config: WorkerConfig) -> int:
     return 0
 
 
+# omnid's developer option for its fake GPU backend (omnid.gpu.FAKE_GPU_ENV), named again
+# rather than imported: importing omnid.gpu costs a worker ~150 ms (tests/test_gpu.py checks
+# that the two agree).
+FAKE_GPU_ENV = "OMNID_DEVELOPER_FAKE_GPU"
+
+
 @functools.cache
 def _fake_gpu(path: str) -> Any:
-    """One fake GPU backend for the worker's life (each has a reader thread of its own)."""
-    from omnid.gpu import FakeGpuBackend
+    """One fake GPU backend for the worker's life (each has a reader thread of its own),
+    read through the fake's public API (omnid.gpu.fake: the file format and its reader)."""
+    from omnid.gpu.fake import FakeGpuBackend
 
     return FakeGpuBackend(path)
 
@@ -289,16 +296,17 @@ def gpu_full(model: Model, config: WorkerConfig) -> str | None:
     """Why this worker's GPU cannot take a request now, or None.
 
     On CUDA: torch's own view of free memory. Without a GPU, when omnid runs with its
-    FAKE GPU backend (OMNID_FAKE_GPU, tests only), the same file omnid reads, so a
-    "GPU taken by another job" fault reaches the worker as it would on real hardware."""
+    FAKE GPU backend (the developer option OMNID_DEVELOPER_FAKE_GPU, for omnid's tests),
+    the same file omnid reads, so a "GPU taken by another job" fault reaches the worker
+    as it would on real hardware."""
     need = config.request_mib
     if model.device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(model.device)
         free_mib = free / 2**20
         where = f"GPU {model.device}"
-    elif os.environ.get("OMNID_FAKE_GPU") and os.environ.get("CUDA_VISIBLE_DEVICES", "").isdigit():
+    elif os.environ.get(FAKE_GPU_ENV) and os.environ.get("CUDA_VISIBLE_DEVICES", "").isdigit():
         index = int(os.environ["CUDA_VISIBLE_DEVICES"])
-        gpus = {g.index: g for g in _fake_gpu(os.environ["OMNID_FAKE_GPU"]).gpus()}
+        gpus = {g.index: g for g in _fake_gpu(os.environ[FAKE_GPU_ENV]).gpus()}
         if index not in gpus:
             return None
         free_mib = gpus[index].free_mib

@@ -13,10 +13,11 @@ Three backends share one small interface (`GpuBackend`):
 
 - `NvmlBackend` reads NVML through nvidia-ml-py (`pynvml`);
 - `NoGpuBackend` answers "no GPU" with the reason NVML could not be used;
-- `FakeGpuBackend` is for tests on machines without a GPU and says so in its name
-  and `kind`; it can be driven in memory or from a JSON file named by the
-  environment variable OMNID_FAKE_GPU, re-read on every call so that a daemon under
-  test sees changes made by the test while it runs.
+- `omnid.gpu.fake.FakeGpuBackend` is a DEVELOPER OPTION for omnid's own tests on machines
+  without a GPU, and says so in its name and `kind`. It is not part of this package's
+  API and production never imports it: `open_backend` loads it only when the
+  environment variable OMNID_DEVELOPER_FAKE_GPU names its JSON file (re-read on every
+  call, so that a daemon under test sees changes the test makes while it runs).
 
 Every NVML call is bounded in time (omnid.gpu.bounded): a call that never returns makes
 the backend unreadable with a reason, it never stalls its caller. Nothing here raises
@@ -34,6 +35,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from omnid.base import ownership
 from omnid.gpu.backend import (GpuBackend, GpuInfo, GpuProcess, MigInfo, NoGpuBackend, find_device, gpus_async,
                                holders_of, in_initial_pid_namespace, log, memory_held_by, processes_async,
                                wait_released)
@@ -42,14 +44,13 @@ from omnid.gpu.events import XidEvent
 from omnid.gpu.faults import GpuCondition, affects, health_view, start_refusal, worst
 from omnid.gpu.items import GpuItem, is_mig, label
 from omnid.gpu.nvml import NvmlBackend
-from omnid.gpu.testing import FAKE_GPU_ENV, FakeGpuBackend, write_fake_gpu_file
 from omnid.gpu.xid import classify as classify_xid
 
-__all__ = ["FAKE_GPU_ENV", "FakeGpuBackend", "GpuBackend", "GpuCondition", "GpuInfo", "GpuItem", "GpuProcess",
+__all__ = ["FAKE_GPU_ENV", "GpuBackend", "GpuCondition", "GpuInfo", "GpuItem", "GpuProcess",
            "GpuUnreadable", "MigInfo", "NoGpuBackend", "NvmlBackend", "XidEvent", "affects", "classify_xid",
            "describe", "find_device", "gpus_async", "health_view", "holders_of", "in_initial_pid_namespace",
            "is_mig", "label", "memory_held_by", "open_backend", "processes_async", "start_refusal", "status",
-           "wait_released", "worst", "write_fake_gpu_file"]
+           "wait_released", "worst"]
 
 
 
@@ -58,12 +59,18 @@ __all__ = ["FAKE_GPU_ENV", "FakeGpuBackend", "GpuBackend", "GpuCondition", "GpuI
 DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg")
 
 
+# The developer option that swaps NVML for the fake backend (omnid.gpu.fake), and the
+# name it had before it was one (read only to say that it is not read any more).
+FAKE_GPU_ENV = "OMNID_DEVELOPER_FAKE_GPU"
+RETIRED_FAKE_GPU_ENV = "OMNID_FAKE_GPU"
+
+
 def open_backend() -> GpuBackend:
-    """The fake backend when OMNID_FAKE_GPU names a file, else NVML, else "no GPU"."""
-    fake = os.environ.get(FAKE_GPU_ENV)
-    if fake:
-        log.info("gpu: using the FAKE GPU backend", path=fake, env=FAKE_GPU_ENV)
-        return FakeGpuBackend(fake)
+    """NVML, else "no GPU" with the reason; the FAKE backend only under the developer
+    option OMNID_DEVELOPER_FAKE_GPU (developer_fake)."""
+    fake = developer_fake()
+    if fake is not None:
+        return fake
     if not any(os.path.exists(p) for p in DRIVER_PATHS):
         # Not even the library is loaded: pynvml costs ~2.7 MiB of the daemon's memory
         # and finds nothing where no driver is.
@@ -75,6 +82,44 @@ def open_backend() -> GpuBackend:
         return nvml
     log.info("gpu: no GPU backend", reason=nvml.reason)
     return NoGpuBackend(nvml.reason)
+
+
+def developer_fake() -> GpuBackend | None:
+    """The fake GPU backend when the developer option asks for it and nothing refuses it,
+    else None (the real backends; a refusal is logged as an error naming the reason).
+
+    It cannot be switched on by accident in production: only this variable turns it on
+    (no flag, no setting, no control request); it is refused in the main process of a
+    systemd service (the shipped omnid.service), and for a file that a user other than
+    omnid's (or root) could write or replace, since its contents decide which units may
+    start and which fail (an injected Xid). When on, it says so here at every start, in
+    `omnid status` and in /health."""
+    if os.environ.get(RETIRED_FAKE_GPU_ENV):
+        log.error(f"gpu: {RETIRED_FAKE_GPU_ENV} is not read any more: the fake GPU backend is the "
+                  f"developer option {FAKE_GPU_ENV}", env=RETIRED_FAKE_GPU_ENV)
+    path = os.environ.get(FAKE_GPU_ENV)
+    if not path:
+        return None
+    refused = None
+    # systemd sets SYSTEMD_EXEC_PID to the pid of the service's main process; a test daemon
+    # started under a CI runner that is itself a service inherits it with another pid.
+    # Before systemd 248 (no SYSTEMD_EXEC_PID): a service's main process is a child of pid 1.
+    if os.environ.get("SYSTEMD_EXEC_PID") == str(os.getpid()) or (os.environ.get("INVOCATION_ID")
+                                                                   and os.getppid() == 1):
+        refused = "omnid runs as a systemd service, where GPUs are real; unset it in the service's environment"
+    else:
+        try:
+            os.close(ownership.open_checked(path, f"fake GPU file ({FAKE_GPU_ENV})"))
+        except ownership.UnsafePath as exc:
+            refused = str(exc)
+    if refused:
+        log.error(f"gpu: developer option {FAKE_GPU_ENV} refused, using the real GPUs", reason=refused, path=path)
+        return None
+    from omnid.gpu.fake import FakeGpuBackend
+
+    log.error(f"gpu: FAKE GPU BACKEND (developer option {FAKE_GPU_ENV}): GPU figures, processes and faults come "
+              "from a file, not from NVML; for omnid's own tests only", path=path, env=FAKE_GPU_ENV)
+    return FakeGpuBackend(path)
 
 
 def describe(backend: GpuBackend, gpus: list[GpuInfo] | None = None) -> str:
@@ -89,7 +134,8 @@ def describe(backend: GpuBackend, gpus: list[GpuInfo] | None = None) -> str:
             return f"{backend.kind}: {exc}"
     count = len(gpus)
     migs = sum(len(g.migs) for g in gpus)
-    where = f" from {backend.path}" if isinstance(backend, FakeGpuBackend) and backend.path else ""
+    path = getattr(backend, "path", None) if backend.kind == "fake" else None
+    where = f" from {path}" if path else ""
     name = "FAKE GPU backend" if backend.kind == "fake" else backend.kind
     pidns = "" if backend.pids_local else ", host pids (not comparable)"
     mig = f", {migs} MIG device{'s' if migs != 1 else ''}" if migs else ""
@@ -106,6 +152,8 @@ def status(backend: GpuBackend | None, sup: Any = None) -> dict:
     conds = backend.conditions()
     out = {"backend": backend.kind, "readable": bool(backend.available), "reason": backend.reason,
            "stuck_threads": backend.stuck_threads, "conditions": [c.to_json() for c in conds]}
+    if backend.kind == "fake":
+        out["warning"] = f"FAKE GPU backend (developer option {FAKE_GPU_ENV}): not real GPUs"
     if sup is not None:
         out["health"] = health_view(backend, [(u.name, list(u.spec.gpus)) for u in sup.units.values()])
     return out

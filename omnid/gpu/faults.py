@@ -188,3 +188,15 @@ def unreadable(stuck: Any) -> GpuCondition:
     """The condition of a stuck NVML call (an omnid.gpu.bounded.Stuck)."""
     return GpuCondition(gpu=stuck.gpu, status="degraded", reason=stuck.reason(where=False), since=stuck.wall,
                         source="unreadable", last=time.time(), blocks_start=True)
+
+
+def remap_condition(corr: int, unc: int, pending: bool, failure: bool) -> tuple[str, str] | None:
+    """What a GPU's remapped rows mean (NVML's nvmlDeviceGetRemappedRows: correctable and
+    uncorrectable counts, pending, failure): (status, reason) for GpuFaults.set_memory, or
+    None when healthy. Shared by every backend that reads them (NVML, the fake)."""
+    if failure:
+        return "degraded", f"row remapping failed ({unc} rows remapped for uncorrectable errors): the GPU needs service"
+    if pending:
+        return "notice", (f"row remapping pending ({unc} uncorrectable, {corr} correctable rows): "
+                          "reset the GPU to apply it")
+    return None

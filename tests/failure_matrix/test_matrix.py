@@ -19,7 +19,7 @@ import time
 import pytest
 
 from omnid.base import linux
-from omnid.gpu import write_fake_gpu_file
+from omnid.gpu.fake import write_fake_gpu_file
 from tests.failure_matrix.harness import DemoStack, Load
 from tests.harness import alive, wait_for
 
@@ -402,7 +402,7 @@ def test_fm17_fake_gpu_memory_taken_degrades_then_recovers(stack_factory, tmp_pa
     gpus = [{"index": 0, "total_mib": 16000, "free_mib": 15000}, {"index": 1, "total_mib": 16000, "free_mib": 15000}]
     write_fake_gpu_file(fake, {"gpus": gpus, "processes": []})
     s, d = stack_factory(overrides={"worker": {"gpu_min_free_mib": "2000"}},
-                         env={"OMNID_FAKE_GPU": str(fake), "OMNID_GPU_INTERVAL": "0.2"})
+                         env={"OMNID_DEVELOPER_FAKE_GPU": str(fake), "OMNID_GPU_INTERVAL": "0.2"})
     d.wait_all_active(120)
     with under_load(s, load) as ld:
         taken = [dict(g, free_mib=100) for g in gpus]

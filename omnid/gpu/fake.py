@@ -1,9 +1,19 @@
-"""The FAKE GPU backend, for tests on machines without a GPU (it says so in its
-name and `kind`): driven in memory or from the JSON file named by OMNID_FAKE_GPU.
+"""DEVELOPER OPTION: the FAKE GPU backend, for omnid's own tests on machines without a GPU.
+
+Never imported by a production daemon: omnid.gpu.open_backend loads it only when the
+daemon's environment names a fake GPU file in OMNID_DEVELOPER_FAKE_GPU (omnid(8)
+ENVIRONMENT), refuses it in a systemd service and for a file another user could write,
+and then says so at every start, in `omnid status` and in /health (its `kind` is
+"fake"). Tests build it directly as well (`FakeGpuBackend()` in memory, or on a file).
 
 It answers like the NVML backend, through the same bounded worker thread
-(omnid.gpu.bounded), so the tests of a stuck NVML call, of Xid events, of MIG devices and
-of memory health exercise the code that runs with a real GPU."""
+(omnid.gpu.bounded), the same Xid event thread and the same conditions
+(omnid.gpu.faults), so the tests of a stuck NVML call, of Xid events, of MIG devices and
+of memory health exercise the code that runs with a real GPU.
+
+The file format (the FakeGpuBackend docstring) is this module's public API: tests write
+it with `write_fake_gpu_file` or the backend's setters; the demo worker reads it through
+`FakeGpuBackend(path).gpus()` to pretend to own GPU memory."""
 
 from __future__ import annotations
 
@@ -17,19 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omnid.gpu.backend import GpuInfo, GpuProcess, MigInfo, _say_once
-from omnid.gpu.bounded import BoundedCaller, GpuUnreadable
+from omnid.gpu.backend import GpuInfo, GpuProcess, MigInfo, say_once
+from omnid.gpu.bounded import BoundedCaller
 from omnid.gpu.events import XidEvent, XidEventThread
-from omnid.gpu.faults import GpuCondition, GpuFaults, read_conditions, stuck_threads
+from omnid.gpu.faults import GpuCondition, GpuFaults, read_conditions, remap_condition, stuck_threads
 from omnid.gpu.items import GpuItem, is_mig
-from omnid.gpu.nvml import _remap_condition, nvml_timeout
+from omnid.gpu.nvml import nvml_timeout
 
-FAKE_GPU_ENV = "OMNID_FAKE_GPU"
 HANG_POLL_S = 0.02
 
 
 class FakeGpuBackend:
-    """A fake GPU backend for tests without a GPU (never used unless asked for).
+    """A fake GPU backend for tests without a GPU (a developer option: never used unless asked for).
 
     In memory, or backed by a JSON file that is re-read on every call:
 
@@ -151,7 +160,7 @@ class FakeGpuBackend:
         for g in state.gpus:
             self._touch("nvmlDeviceGetRemappedRows", g.index)
             rows = state.remapped.get(g.index)
-            found = _remap_condition(*rows) if rows else None
+            found = remap_condition(*rows) if rows else None
             if found:
                 out[g.index] = found
         return out
@@ -328,7 +337,7 @@ class _FakeState:
 
     @classmethod
     def unavailable(cls, reason: str) -> _FakeState:
-        _say_once(f"fake-{reason}", "gpu: fake GPU backend unavailable", reason=reason)
+        say_once(f"fake-{reason}", "gpu: fake GPU backend unavailable", reason=reason)
         return cls(False, reason, True, [], [])
 
 
@@ -416,4 +425,4 @@ def _parse_fake(doc: Any, source: str) -> _FakeState:
                       **extra)
 
 
-__all__ = ["FAKE_GPU_ENV", "FakeGpuBackend", "GpuUnreadable", "write_fake_gpu_file"]
+__all__ = ["FakeGpuBackend", "write_fake_gpu_file"]

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("omnid.gpu")
 
-_MIB = 1024 * 1024
+MIB = 1024 * 1024
 # Inode number of the initial PID namespace (PROC_PID_INIT_INO in the kernel).
 _INIT_PID_NS_INODE = 0xEFFFFFFC
 

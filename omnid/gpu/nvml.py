@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnid.gpu.backend import _MIB, GpuInfo, GpuProcess, MigInfo, in_initial_pid_namespace, log, say_once
+from omnid.gpu.backend import MIB, GpuInfo, GpuProcess, MigInfo, in_initial_pid_namespace, log, say_once
 from omnid.gpu.bounded import DEFAULT_TIMEOUT_S, BoundedCaller, GpuUnreadable
 from omnid.gpu.nvml_xid import register as register_xid_events, wait_event as wait_xid_event
 from omnid.gpu.events import XidEvent, XidEventThread
@@ -296,11 +296,11 @@ class NvmlBackend:
                     say_once(f"nvml-mig-{m.uuid}-{err}", "gpu: cannot read a MIG device", gpu=g.index, mig=m.uuid,
                              error=str(err))
                     continue
-                migs.append(MigInfo(uuid=m.uuid, gpu=g.index, index=m.index, total_mib=mm.total / _MIB,
-                                    free_mib=mm.free / _MIB, used_mib=mm.used / _MIB, gpu_instance=m.gi,
+                migs.append(MigInfo(uuid=m.uuid, gpu=g.index, index=m.index, total_mib=mm.total / MIB,
+                                    free_mib=mm.free / MIB, used_mib=mm.used / MIB, gpu_instance=m.gi,
                                     compute_instance=m.ci))
-            found.append(GpuInfo(index=g.index, name=name, total_mib=memory.total / _MIB,
-                                 free_mib=memory.free / _MIB, used_mib=memory.used / _MIB, uuid=g.uuid,
+            found.append(GpuInfo(index=g.index, name=name, total_mib=memory.total / MIB,
+                                 free_mib=memory.free / MIB, used_mib=memory.used / MIB, uuid=g.uuid,
                                  migs=tuple(migs)))
         return found
 
@@ -322,7 +322,7 @@ class NvmlBackend:
                 for kind in ("compute", "graphics", "mps"):
                     for entry in self._list(kind, g.index, handle):
                         used = entry.usedGpuMemory
-                        mib = 0.0 if used is None else used / _MIB
+                        mib = 0.0 if used is None else used / MIB
                         # a process can be in several lists of one device with the same memory
                         key = (int(entry.pid), g.index, mig)
                         held[key] = max(held.get(key, 0.0), mib)

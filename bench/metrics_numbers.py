@@ -40,8 +40,8 @@ class _Cgroups:
     def __bool__(self) -> bool:
         return True
 
-    # The real rendering over the stand-in figures (metrics_lines: before omnid.promtext's
-    # writer, when this file measures an older checkout through --base).
+    # The real rendering over the stand-in figures (metrics_lines: its name before
+    # omnid.promtext, when this file is copied into an older checkout to compare).
     write_metrics = getattr(CgroupRoot, "write_metrics", None)
     metrics_lines = getattr(CgroupRoot, "metrics_lines", None)
 

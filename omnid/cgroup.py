@@ -447,7 +447,8 @@ class CgroupRoot:
     def write_metrics(self, page: promtext.Page) -> None:
         """Every unit cgroup's figures onto `page` (omnid.promtext.Page; health.py's /metrics).
         A figure no cgroup has (its controller is not enabled) gets no family at all."""
-        names = {"memory_current": ("omnid_unit_cgroup_memory_bytes", page.gauge, "memory.current of the unit's cgroup"),
+        names = {"memory_current": ("omnid_unit_cgroup_memory_bytes", page.gauge,
+                                    "memory.current of the unit's cgroup"),
                  "memory_peak": ("omnid_unit_cgroup_memory_peak_bytes", page.gauge, "memory.peak of the unit's cgroup"),
                  "cpu_usage_usec": ("omnid_unit_cgroup_cpu_usage_usec_total", page.counter,
                                     "cpu.stat usage_usec of the unit's cgroup"),

@@ -186,8 +186,8 @@ class MalformedExposition(ValueError):
     """A line that is not a sample; the message names the line number."""
 
 
-def _sample(line: str) -> tuple[str, float] | None:
-    """(metric name, value) of one sample line, or None for a value that is not a number."""
+def _sample(line: str) -> tuple[str, float]:
+    """(metric name, value) of one sample line; ValueError naming what is wrong."""
     i, n = 0, len(line)
     if line.startswith("{"):  # Prometheus 3 UTF-8 names: {"my.metric", label="x"} value
         name = ""

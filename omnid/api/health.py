@@ -13,6 +13,7 @@ import psutil
 import structlog
 from aiohttp import web
 
+from omnid.base import promtext
 from omnid.process.output import add_counters
 from omnid.process.handle import tree_usage
 from omnid.process.cgroup import backend as cgroup_backend
@@ -313,119 +314,103 @@ class HealthServer:
         return web.json_response(add_counters([u.snapshot()], self.sup.units)[0])
 
     async def metrics(self, _req: web.Request) -> web.Response:
-        lines: list[str] = []
-
-        def metric(name: str, kind: str, help_: str) -> None:
-            lines.append(f"# HELP {name} {help_}")
-            lines.append(f"# TYPE {name} {kind}")
-
-        def lbl(**kv: object) -> str:
-            inner = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-                             for k, v in kv.items())
-            return "{" + inner + "}"
-
+        page = promtext.Page()  # the one writer of the format: families, escaping, values
         units = list(self.sup.units.values())
-        metric("omnid_unit_state", "gauge", "1 for the state the unit is in")
+        f = page.gauge("omnid_unit_state", "1 for the state the unit is in")
         for u in units:
             for st in S:
-                lines.append(f"omnid_unit_state{lbl(unit=u.name, state=st.value)} {int(u.state is st)}")
-        metric("omnid_unit_ready", "gauge", "1 when the unit is active and ready")
+                f.add(u.state is st, unit=u.name, state=st.value)
+        f = page.gauge("omnid_unit_ready", "1 when the unit is active and ready")
         for u in units:
-            lines.append(f"omnid_unit_ready{lbl(unit=u.name)} {int(u.ready)}")
-        metric("omnid_unit_restarts_total", "counter", "automatic restarts")
+            f.add(int(u.ready), unit=u.name)
+        f = page.counter("omnid_unit_restarts_total", "automatic restarts")
         for u in units:
-            lines.append(f"omnid_unit_restarts_total{lbl(unit=u.name)} {u.restarts}")
-        metric("omnid_unit_failures_total", "counter", "unrequested exits and failed starts")
+            f.add(u.restarts, unit=u.name)
+        f = page.counter("omnid_unit_failures_total", "unrequested exits and failed starts")
         for u in units:
-            lines.append(f"omnid_unit_failures_total{lbl(unit=u.name)} {u.deaths}")
-        metric("omnid_unit_last_exit_code", "gauge", "exit code of the last exit (-1: killed by a signal or none)")
+            f.add(u.deaths, unit=u.name)
+        f = page.gauge("omnid_unit_last_exit_code", "exit code of the last exit (-1: killed by a signal or none)")
         for u in units:
-            code = u.last_exit_code if u.last_exit_code is not None else -1
-            lines.append(f"omnid_unit_last_exit_code{lbl(unit=u.name)} {code}")
-        metric("omnid_unit_last_exit_signal", "gauge", "signal number of the last exit (0: none)")
+            f.add(u.last_exit_code if u.last_exit_code is not None else -1, unit=u.name)
+        f = page.gauge("omnid_unit_last_exit_signal", "signal number of the last exit (0: none)")
         for u in units:
-            lines.append(f"omnid_unit_last_exit_signal{lbl(unit=u.name)} {u.last_signal or 0}")
+            f.add(u.last_signal or 0, unit=u.name)
         # The stack's verdict, what GET /health says: one series per verdict, 1 for the current one.
-        metric("omnid_stack_health", "gauge", "1 for the verdict GET /health gives now")
+        f = page.gauge("omnid_stack_health", "1 for the verdict GET /health gives now")
         verdict = overall(self.sup, self.degraded(), gpu_view(self.sup))
         for v in HEALTH_VERDICTS:
-            lines.append(f"omnid_stack_health{lbl(status=v)} {int(v == verdict)}")
-        metric("omnid_unit_gpu_release_seconds", "gauge",
-               "after the unit's last stop or failure: until none of its pids held GPU memory")
+            f.add(v == verdict, status=v)
+        f = page.gauge("omnid_unit_gpu_release_seconds",
+                       "after the unit's last stop or failure: until none of its pids held GPU memory")
         for u in units:
             if u.gpu_release_ms is not None:
-                lines.append(f"omnid_unit_gpu_release_seconds{lbl(unit=u.name)} {u.gpu_release_ms / 1000:.6f}")
-        metric("omnid_unit_gpu_held", "gauge", "1 when the unit's pids still held GPU memory as the release wait ended")
+                f.add(round(u.gpu_release_ms / 1000, 6), unit=u.name)
+        f = page.gauge("omnid_unit_gpu_held", "1 when the unit's pids still held GPU memory as the release wait ended")
         for u in units:
-            lines.append(f"omnid_unit_gpu_held{lbl(unit=u.name)} {int(bool(u.gpu_held))}")
-        metric("omnid_unit_residue_processes", "gauge", "leftovers (orphans) killed after the unit's last stop")
-        for u in units:
-            rec = u.last_stop
-            lines.append(f"omnid_unit_residue_processes{lbl(unit=u.name)} {len(rec.residue) if rec else 0}")
-        metric("omnid_unit_unkillable_processes", "gauge", "processes that survived SIGKILL at the unit's last stop")
+            f.add(bool(u.gpu_held), unit=u.name)
+        f = page.gauge("omnid_unit_residue_processes", "leftovers (orphans) killed after the unit's last stop")
         for u in units:
             rec = u.last_stop
-            lines.append(f"omnid_unit_unkillable_processes{lbl(unit=u.name)} {len(rec.unkillable) if rec else 0}")
+            f.add(len(rec.residue) if rec else 0, unit=u.name)
+        f = page.gauge("omnid_unit_unkillable_processes", "processes that survived SIGKILL at the unit's last stop")
+        for u in units:
+            rec = u.last_stop
+            f.add(len(rec.unkillable) if rec else 0, unit=u.name)
         dm = getattr(self, "daemon_metrics", None)
         if dm is not None:
-            metric("omnid_death_detection_seconds", "histogram", "pidfd wake-up to failed state, per death")
-            lines.extend(dm.death_detection.render("omnid_death_detection_seconds", lbl))
-        metric("omnid_unit_log_lines_total", "counter", "output lines read from the unit")
+            dm.death_detection.write(page, "omnid_death_detection_seconds", "pidfd wake-up to failed state, per death")
+        f = page.counter("omnid_unit_log_lines_total", "output lines read from the unit")
         for u in units:
             if u.output is not None:
-                lines.append(f"omnid_unit_log_lines_total{lbl(unit=u.name)} {u.output.lines_total}")
-        metric("omnid_unit_log_lines_dropped_total", "counter",
-               "output lines not echoed into the daemon log (rate limit; kept for omnid logs)")
+                f.add(u.output.lines_total, unit=u.name)
+        f = page.counter("omnid_unit_log_lines_dropped_total",
+                         "output lines not echoed into the daemon log (rate limit; kept for omnid logs)")
         for u in units:
             if u.output is not None:
-                lines.append(f"omnid_unit_log_lines_dropped_total{lbl(unit=u.name)} {u.output.echo_dropped}")
-        metric("omnid_unit_log_lines_truncated_total", "counter", "output lines cut at 16 KiB")
+                f.add(u.output.echo_dropped, unit=u.name)
+        f = page.counter("omnid_unit_log_lines_truncated_total", "output lines cut at 16 KiB")
         for u in units:
             if u.output is not None:
-                lines.append(f"omnid_unit_log_lines_truncated_total{lbl(unit=u.name)} {u.output.lines_truncated}")
-        metric("omnid_unit_rss_bytes", "gauge", "resident memory of the unit's processes")
+                f.add(u.output.lines_truncated, unit=u.name)
+        rss = page.gauge("omnid_unit_rss_bytes", "resident memory of the unit's processes")
+        cpu = page.counter("omnid_unit_cpu_seconds_total", "CPU time of the unit's live processes")
+        procs = page.gauge("omnid_unit_processes", "live processes in the unit's tree")
         usage = await self.usage.get(units)  # from a thread, at most once per USAGE_INTERVAL_S
-        for name, (rss, _cpu, _n) in usage.items():
-            lines.append(f"omnid_unit_rss_bytes{lbl(unit=name)} {rss}")
-        metric("omnid_unit_cpu_seconds_total", "counter", "CPU time of the unit's live processes")
-        for name, (_rss, cpu, _n) in usage.items():
-            lines.append(f"omnid_unit_cpu_seconds_total{lbl(unit=name)} {cpu:.3f}")
-        metric("omnid_unit_processes", "gauge", "live processes in the unit's tree")
-        for name, (_rss, _cpu, n) in usage.items():
-            lines.append(f"omnid_unit_processes{lbl(unit=name)} {n}")
-        lines += self.sup.cgroups.metrics_lines(lbl) if self.sup.cgroups else []  # cgroup hook
+        for name, (rss_bytes, cpu_s, n) in usage.items():
+            rss.add(rss_bytes, unit=name)
+            cpu.add(round(cpu_s, 3), unit=name)
+            procs.add(n, unit=name)
+        if self.sup.cgroups:
+            self.sup.cgroups.write_metrics(page)  # cgroup hook
         gpu = self.gpu_usage()
         if gpu:
-            metric("omnid_unit_gpu_memory_bytes", "gauge", "GPU memory held by the unit's processes (NVML)")
+            f = page.gauge("omnid_unit_gpu_memory_bytes", "GPU memory held by the unit's processes (NVML)")
             for name, mib in gpu.items():
-                lines.append(f"omnid_unit_gpu_memory_bytes{lbl(unit=name)} {int(mib * 1048576)}")
+                f.add(int(mib * 1048576), unit=name)
         backend = getattr(self.sup, "gpu", None)
         if backend is not None and hasattr(backend, "conditions"):
-            metric("omnid_gpu_stuck_threads", "gauge", "threads blocked in an NVML call past its deadline")
-            lines.append(f"omnid_gpu_stuck_threads {backend.stuck_threads}")
-            metric("omnid_gpu_condition", "gauge", "a condition of a GPU: Xid, memory health, unreadable")
+            page.gauge("omnid_gpu_stuck_threads", "threads blocked in an NVML call past its deadline").add(
+                backend.stuck_threads)
+            f = page.gauge("omnid_gpu_condition", "a condition of a GPU: Xid, memory health, unreadable")
             for c in backend.conditions():
-                j = c.to_json()
-                lines.append(f"omnid_gpu_condition{lbl(gpu=j['gpu'], status=c.status, source=c.source, xid=c.xid or '')} 1")
+                f.add(1, gpu=c.to_json()["gpu"], status=c.status, source=c.source, xid=c.xid or "")
         me = psutil.Process()
-        metric("omnid_daemon_rss_bytes", "gauge", "resident memory of the daemon")
-        lines.append(f"omnid_daemon_rss_bytes {me.memory_info().rss}")
-        metric("omnid_daemon_threads", "gauge", "threads of the daemon process")
-        lines.append(f"omnid_daemon_threads {me.num_threads()}")
-        metric("omnid_invariant_violations_total", "counter", "state/kernel disagreements found after transitions")
-        lines.append(f"omnid_invariant_violations_total {len(self.sup.invariant_violations)}")
-        metric("omnid_health_connections_refused_total", "counter", "health connections closed at the cap or silent")
+        page.gauge("omnid_daemon_rss_bytes", "resident memory of the daemon").add(me.memory_info().rss)
+        page.gauge("omnid_daemon_threads", "threads of the daemon process").add(me.num_threads())
+        page.counter("omnid_invariant_violations_total", "state/kernel disagreements found after transitions").add(
+            len(self.sup.invariant_violations))
         c = self.connections
-        lines.append(f"omnid_health_connections_refused_total {c.refused + c.idle_closed + c.evicted}")
+        page.counter("omnid_health_connections_refused_total", "health connections closed at the cap or silent").add(
+            c.refused + c.idle_closed + c.evicted)
         notify = self.notify_counters()  # issue #9: dropped notify datagrams, by reason
         if notify:
-            metric("omnid_notify_datagrams_total", "counter", "notify datagrams received, accepted or dropped")
+            f = page.counter("omnid_notify_datagrams_total", "notify datagrams received, accepted or dropped")
             for what, n in notify.items():
-                lines.append(f"omnid_notify_datagrams_total{lbl(outcome=what)} {n}")
+                f.add(n, outcome=what)
         ch = getattr(self.sup, "crosshost", None)
         if ch is not None:  # worker groups across hosts (omnid.cluster)
-            from omnid.cluster.metrics import render as cluster_metrics
+            from omnid.cluster.metrics import write as cluster_metrics
 
-            lines.extend(cluster_metrics(ch, metric, lbl))
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
-                            headers={"X-Prometheus-Format": "0.0.4"})
+            cluster_metrics(ch, page)
+        return web.Response(text=page.text(), content_type="text/plain", charset="utf-8",
+                            headers={"X-Prometheus-Format": promtext.FORMAT_VERSION})

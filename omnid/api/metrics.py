@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import bisect
 
+from omnid.base import promtext
+
 # pidfd wake-up to `failed`: ms on an idle host, longer when a leftover must be killed.
 DEATH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class Histogram:
-    """Cumulative buckets per label value (the unit), as Prometheus' text format wants."""
+    """Observations per bucket, per label value (the unit); omnid.promtext writes them
+    (cumulative, with _sum and _count)."""
 
     def __init__(self, buckets: tuple[float, ...] = DEATH_BUCKETS) -> None:
         self.buckets = buckets
@@ -21,18 +24,11 @@ class Histogram:
         counts[bisect.bisect_left(self.buckets, seconds)] += 1
         total[0] += seconds
 
-    def render(self, name: str, label) -> list[str]:
-        lines: list[str] = []
+    def write(self, page: promtext.Page, name: str, help_: str) -> None:
+        """Onto `page` (omnid.promtext.Page): one histogram family, a series per unit."""
+        fam = page.histogram(name, help_, self.buckets)
         for unit, (counts, total) in self.series.items():
-            cum = 0
-            for bound, c in zip(self.buckets, counts):
-                cum += c
-                lines.append(f"{name}_bucket{label(unit=unit, le=repr(bound))} {cum}")
-            cum += counts[-1]
-            lines.append(f"{name}_bucket{label(unit=unit, le='+Inf')} {cum}")
-            lines.append(f"{name}_sum{label(unit=unit)} {total[0]:.6f}")
-            lines.append(f"{name}_count{label(unit=unit)} {cum}")
-        return lines
+            fam.add_series(counts, round(total[0], 6), unit=unit)
 
 
 class DaemonMetrics:

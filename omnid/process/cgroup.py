@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import structlog
 
 from omnid.base import linux
+from omnid.base import promtext
 from omnid.process.handle import ProcessHandle, Survivor, group_alive
 
 log = structlog.get_logger("omnid.process.cgroup")
@@ -444,21 +445,22 @@ class CgroupRoot:
         path = os.path.join(self.path, escape(unit))
         return ResidueCgroupTarget(self, path) if os.path.isdir(path) and populated(path) else None
 
-    def metrics_lines(self, lbl) -> list[str]:
-        """Prometheus lines for every unit cgroup's figures (health.py's /metrics)."""
-        names = {"memory_current": ("omnid_unit_cgroup_memory_bytes", "gauge", "memory.current of the unit's cgroup"),
-                 "memory_peak": ("omnid_unit_cgroup_memory_peak_bytes", "gauge", "memory.peak of the unit's cgroup"),
-                 "cpu_usage_usec": ("omnid_unit_cgroup_cpu_usage_usec_total", "counter",
+    def write_metrics(self, page: promtext.Page) -> None:
+        """Every unit cgroup's figures onto `page` (omnid.promtext.Page; health.py's /metrics).
+        A figure no cgroup has (its controller is not enabled) gets no family at all."""
+        names = {"memory_current": ("omnid_unit_cgroup_memory_bytes", page.gauge,
+                                    "memory.current of the unit's cgroup"),
+                 "memory_peak": ("omnid_unit_cgroup_memory_peak_bytes", page.gauge, "memory.peak of the unit's cgroup"),
+                 "cpu_usage_usec": ("omnid_unit_cgroup_cpu_usage_usec_total", page.counter,
                                     "cpu.stat usage_usec of the unit's cgroup"),
-                 "pids_current": ("omnid_unit_cgroup_pids", "gauge", "pids.current of the unit's cgroup")}
+                 "pids_current": ("omnid_unit_cgroup_pids", page.gauge, "pids.current of the unit's cgroup")}
         figs = {u: cg.figures() for u, cg in sorted(self.units.items())}
-        lines = []
-        for key, (metric, kind, help_) in names.items():
+        for key, (metric, declare, help_) in names.items():
             rows = [(u, f[key]) for u, f in figs.items() if key in f]
             if rows:
-                lines += [f"# HELP {metric} {help_}", f"# TYPE {metric} {kind}"]
-                lines += [f"{metric}{lbl(unit=u)} {v}" for u, v in rows]
-        return lines
+                fam = declare(metric, help_)
+                for u, v in rows:
+                    fam.add(v, unit=u)
 
     def snapshot(self, unit: str) -> dict:
         cg = self.units.get(unit)

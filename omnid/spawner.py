@@ -13,7 +13,7 @@ Where the rest lives (all of it runs in this process, so all of it is light):
                        result, and the one record per child the spawner holds
   omnid/spawnchild.py  the child's steps from fork to exec (Python path), and their words
   omnid/spawnplan.py   what is decided before the fork: which path, which program, arguments
-  omnid/spawnclient.py the daemon's side of the protocol below
+  omnid/spawnclient.py the daemon's side; omnid/spawnwire.py the protocol's typed messages
 
 Protocol, one JSON object per datagram, fds by SCM_RIGHTS:
   daemon -> spawner  {"op": "kill", "pid"}  (a child whose pidfd the daemon could not take)

@@ -31,8 +31,8 @@ except ImportError:  # not compiled on this host: only the Python path runs
 
 
 def setup_and_exec(req: dict, out_fd: int, errout_fd: int, err_w: int, spawner_pid: int,
-                    reset_signals: tuple[int, ...] = (), devnull: int = -1,
-                    placement: tuple | None = None, listen: list[int] | tuple[int, ...] = ()) -> None:
+                   reset_signals: tuple[int, ...] = (), devnull: int = -1,
+                   placement: tuple | None = None, listen: list[int] | tuple[int, ...] = ()) -> None:
     """Runs in the forked child; never returns. Every Python operation here copies the pages it
     touches (copy-on-write after fork), so the parent prepared what it could: the signals to
     reset, /dev/null, the placement's arguments."""

@@ -297,7 +297,7 @@ class Spawner:
                 else:
                     self.handle_request()
             self.reap()
-            timeout_ms = self.launcher.expire() if self.children.launching() else None
+            timeout_ms = self.launcher.expire() if self.children.any_launching() else None
             if self.outbox:
                 self.flush()
         return self.cleanup()

@@ -115,6 +115,9 @@ class Children:
     def launching(self) -> list[Child]:
         return list(self._by_pipe.values())
 
+    def any_launching(self) -> bool:
+        return bool(self._by_pipe)
+
     def clear(self) -> None:
         self._by_pid.clear()
         self._by_pipe.clear()

@@ -1,6 +1,7 @@
-/* omnid._spawnc: the spawner's compiled path from fork to exec (omnid/spawner.py).
+/* omnid._spawnc: the spawner's compiled path from fork to exec (called by omnid/spawnexec.py).
  *
- * One call does what the spawner's Python child did between fork and exec, in C, in a vfork
+ * One call does what the spawner's Python child (omnid/spawnchild.py: the same steps, in the
+ * same order, and the words a failed stage reads as) does between fork and exec, in C, in a vfork
  * child: no interpreter runs in the child, so no copy-on-write fault and no page-table copy
  * of the spawner stand between a spawn request and the unit's exec.
  *

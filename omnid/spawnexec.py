@@ -269,7 +269,7 @@ class Launcher:
             if child.pidfd >= 0:
                 os.close(child.pidfd)
             self.children.drop(child)
-            if not child.answered:  # else spawn_failed went out at its deadline (`expire`)
+            if failure is not None and not child.answered:  # else it went out at its deadline (`expire`)
                 code, text = failure
                 self.tell({"op": "spawn_failed", "id": child.rid, "pid": child.pid, "error": text,
                            "errno": code}, -1)

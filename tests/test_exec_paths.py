@@ -225,16 +225,16 @@ from omnid.base import linux
 from omnid.process import spawner
 ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 sp = spawner.Spawner(theirs, os.getppid())
-sp.reset_signals = ()
+sp.launcher.reset_signals = ()
 def no_fds(pid):
     raise OSError(errno.EMFILE, "Too many open files")
 linux.pidfd_open = no_fds
 r, w = os.pipe2(os.O_CLOEXEC)
 sp.spawn({"id": 1, "unit": "x", "argv": ["/bin/sleep", "1000"], "env": {}, "path": "/bin/sleep"}, [w])
 deadline = time.monotonic() + 10
-while sp.launching and time.monotonic() < deadline:  # the Python path: its exec report
-    for fd in list(sp.by_errfd):
-        sp.exec_report(fd)
+while sp.children.launching() and time.monotonic() < deadline:  # the Python path: its exec report
+    for child in sp.children.launching():
+        sp.launcher.exec_report(child.pipe)
 sp.flush()
 pid, status = os.wait()
 print(json.dumps({"answer": json.loads(ours.recv(65536)), "pid": pid,

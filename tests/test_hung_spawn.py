@@ -14,7 +14,7 @@ import time
 import pytest
 
 from omnid.base import linux
-from omnid.process.spawner import SPAWN_EXEC_TIMEOUT_S
+from omnid.process.spawnexec import SPAWN_EXEC_TIMEOUT_S
 from tests.harness import make_stack, wait_for
 from tests.hung import fuse_available, hung_fuse_mount
 
@@ -96,7 +96,7 @@ def test_which_spawns_are_forked_rather_than_vforked():
     """The mount that holds a path (the longest mount point above it, the last mounted) decides;
     the cwd and every program the child may execve count; a local mount inside a network one
     is local. Read from a mount table written by hand (no path is touched)."""
-    from omnid.process.spawner import may_hang
+    from omnid.process.spawnplan import may_hang
 
     mounts = [("/", "ext4"), ("/mnt/nfs", "nfs4"), ("/mnt/nfs/local", "ext4"), ("/data", "fuse.sshfs"),
               ("/mnt/my dir", "cifs")]
@@ -117,7 +117,7 @@ def test_the_mount_table_is_read_with_its_escapes(tmp_path):
     """A mount point with a space is listed as \\040 by the kernel: read back as written."""
     import ctypes
 
-    from omnid.process.spawner import _mounts
+    from omnid.process.spawnplan import mounts as _mounts
 
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")

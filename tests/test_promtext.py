@@ -16,7 +16,7 @@ import pytest
 
 from omnid.base import promtext
 from omnid.cluster.metrics import write as write_cluster
-from omnid.gpu import write_fake_gpu_file
+from omnid.gpu.fake import write_fake_gpu_file
 from tests.harness import make_stack, wait_for
 
 HOSTILE = 'a"b\\c\nd'  # a quote, a backslash and a newline in one label value
@@ -186,14 +186,14 @@ def test_fake_gpu_daemon_metrics_page_has_each_family_once_under_its_type_and_pa
     """A real daemon's page with every optional family that needs no cluster: GPU conditions
     and memory (the fake GPU backend: this machine has no GPU), the death histogram, log
     lines, process (and, where cgroups are on, cgroup) figures."""
-    from omnid.gpu import FakeGpuBackend
+    from omnid.gpu.fake import FakeGpuBackend
 
     path = tmp_path / "gpu.json"
     write_fake_gpu_file(path, {"gpus": [{"index": 0, "total_mib": 8000}, {"index": 1, "total_mib": 8000}],
                                "processes": []})
     d = daemon_factory(make_stack({"worker": 'exec = ["sh", "-c", "echo hi; exec sleep 1000"]\ngpus = [1]\n'
                                              'restart = "always"\nrestart_sec = 0.1\n'}),
-                       env={"OMNID_FAKE_GPU": str(path), "OMNID_GPU_INTERVAL": "0.1"})
+                       env={"OMNID_DEVELOPER_FAKE_GPU": str(path), "OMNID_GPU_INTERVAL": "0.1"})
     pid = d.wait_state("worker", "active")["pid"]
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: (u := d.unit("worker"))["state"] == "active" and u["pid"] != pid, 10, "worker back")

@@ -1,6 +1,7 @@
-/* omnid._spawnc: the spawner's compiled path from fork to exec (omnid/process/spawner.py).
+/* omnid.process._spawnc: the spawner's compiled path from fork to exec (called by omnid/process/spawnexec.py).
  *
- * One call does what the spawner's Python child did between fork and exec, in C, in a vfork
+ * One call does what the spawner's Python child (omnid/process/spawnchild.py: the same steps, in the
+ * same order, and the words a failed stage reads as) does between fork and exec, in C, in a vfork
  * child: no interpreter runs in the child, so no copy-on-write fault and no page-table copy
  * of the spawner stand between a spawn request and the unit's exec.
  *

@@ -1,14 +1,20 @@
-"""The daemon's side of the spawner protocol (see omnid/process/spawner.py).
+"""The daemon's side of the spawner (omnid/process/spawner.py): `SpawnerClient`, one running spawner.
 
-Starts the spawner by posix_spawn (vfork + exec: safe from a threaded process,
-never a fork of the daemon), then turns its datagrams into awaitable spawn
-results and exit reports on the daemon's event loop.
+Takes over the spawner omnid/process/spawnstart.py started by posix_spawn (vfork + exec: safe from a
+threaded process, never a fork of the daemon), or the one a previous program left (omnid
+reexec), then turns its datagrams (typed by omnid/process/spawnwire.py) into awaitable spawn results
+(`Spawned` or `SpawnError`) and exit reports on the daemon's event loop, and asks it to kill
+a child no unit could take.
 
 Spawns asked for in one turn of the loop (a tier's units, started together) go out as one
 datagram at the end of that turn, their common environment once; a big tier goes out in parts
 of PIPELINE_SPAWNS as it is built, so the spawner starts the first children while the loop
 builds the rest. The spawner answers what one turn of its own loop learnt in one datagram
 too, pidfds attached.
+
+The protocol's values that callers use (SpawnRequest, ExitReport) are defined in
+omnid/process/spawnwire.py and imported here, so that callers import the spawner's interface from one
+module.
 """
 
 from __future__ import annotations
@@ -26,32 +32,12 @@ import structlog
 
 from omnid.base import linux
 from omnid.process import spawnstart
-from omnid.process.numa import Placement
 from omnid.process.spawnstart import SpawnerProcess
+from omnid.process.spawnwire import (MAX_BATCH_BYTES, MAX_BATCH_FDS, MAX_MESSAGE, ExitReport, Hello, ProtocolError,
+                             QueuedSpawn, SpawnedMsg, SpawnFailedMsg, SpawnRequest, batch_datagrams, decode,
+                             spawn_wire)
 
 log = structlog.get_logger("omnid.process.spawner")
-
-MAX_MESSAGE = 1 << 20
-
-
-@dataclass(frozen=True)
-class SpawnRequest:
-    unit: str
-    argv: tuple[str, ...]
-    env: dict[str, str]
-    cwd: str | None = None
-    user: str | None = None
-    group: str | None = None
-    rlimits: tuple[tuple[int, int, int], ...] = ()
-    cgroup: str | None = None
-    # CPU affinity and memory policy set before exec (omnid.numa.placement_for); None = none.
-    placement: Placement | None = None
-    # The program to execve, found in the unit's PATH by the daemon (argv[0] stays as the
-    # unit wrote it); None: the child looks argv[0] up itself.
-    path: str | None = None
-    # Listening sockets (omnid.sockets) and stored fds the child gets as fds 3, 4, ... with
-    # LISTEN_PID set to its own pid; LISTEN_FDS and LISTEN_FDNAMES are in `env`.
-    listen_fds: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,125 +56,12 @@ class SpawnError(Exception):
         self.errno = errno
 
 
-@dataclass(frozen=True)
-class ExitReport:
-    pid: int
-    status: int
-    adopted: bool
-
-
 class SpawnerGone(Exception):
-    pass
-
-
-# ------------------------------------------------------------- protocol messages
-# Typed on both edges: the daemon builds `SpawnRequest.to_wire`, and every datagram
-# from the spawner is decoded once, here, into one of the frozen dataclasses below;
-# nothing downstream reads a raw dict.
-
-class ProtocolError(ValueError):
-    """A spawner message that does not have the shape this module expects."""
-
-
-@dataclass(frozen=True)
-class Hello:
-    pid: int
-    exec_path: str | None = None  # "compiled" (omnid._spawnc) or "python": how children are set up
-
-
-@dataclass(frozen=True)
-class SpawnedMsg:
-    id: int
-    pid: int
-    start_time: int
-
-
-@dataclass(frozen=True)
-class SpawnFailedMsg:
-    id: int
-    error: str
-    errno: int = 0  # exec(2)'s errno when exec failed, else 0
-
-
-SpawnerMessage = Hello | SpawnedMsg | SpawnFailedMsg | ExitReport
-
-_FIELDS: dict[str, tuple[type, tuple[tuple[str, type], ...]]] = {
-    "hello": (Hello, (("pid", int),)),
-    "spawned": (SpawnedMsg, (("id", int), ("pid", int), ("start_time", int))),
-    "spawn_failed": (SpawnFailedMsg, (("id", int), ("error", str), ("errno", int))),
-    "exit": (ExitReport, (("pid", int), ("status", int), ("adopted", bool))),
-}
-
-
-def decode(msg: object) -> SpawnerMessage:
-    """One spawner datagram (parsed JSON) as its typed message; ProtocolError names the op and field."""
-    if not isinstance(msg, dict):
-        raise ProtocolError(f"message is a {type(msg).__name__}, not an object")
-    op = msg.get("op")
-    if op not in _FIELDS:
-        raise ProtocolError(f"unknown op {op!r}")
-    cls, fields = _FIELDS[op]
-    values = []
-    for name, typ in fields:
-        v = msg.get(name)
-        if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
-            raise ProtocolError(f"{op}: field {name!r} must be {typ.__name__}, got {v!r}")
-        values.append(v)
-    if op == "hello" and isinstance(msg.get("exec_path"), str):  # optional: older spawners lack it
-        values.append(msg["exec_path"][:32])
-    return cls(*values)
-
-
-def spawn_wire(rid: int, req: SpawnRequest) -> dict:
-    """The spawn request as the spawner reads it (see omnid/process/spawner.py)."""
-    return {"op": "spawn", "id": rid, "unit": req.unit, "argv": list(req.argv), "env": req.env, "cwd": req.cwd,
-            "user": req.user, "group": req.group, "rlimits": [list(r) for r in req.rlimits], "cgroup": req.cgroup,
-            "placement": req.placement.to_wire() if req.placement is not None else None, "path": req.path,
-            "nlisten": len(req.listen_fds)}
+    """Caught by the daemon's main (omnid/daemon/main.py) as "spawner failed to start"; nothing raises it today."""
 
 
 # Requests queued in one turn are sent once this many are ready, the rest at the turn's end.
 PIPELINE_SPAWNS = 32
-MAX_BATCH_FDS = 250  # fds in one datagram (the kernel's SCM_MAX_FD is 253)
-MAX_BATCH_BYTES = MAX_MESSAGE // 2
-
-
-@dataclass
-class _Queued:
-    """A spawn waiting for the end of this turn of the loop."""
-
-    rid: int
-    wire: dict  # spawn_wire without its env
-    env: dict[str, str]
-    fds: list[int]  # the caller's, which it keeps open until its spawn() returns
-
-
-def batch_datagrams(queued: list[_Queued]) -> list[tuple[bytes, list[int], list[_Queued]]]:
-    """The queued spawns as datagrams: each with the first spawn's environment as the base
-    and, per spawn, only what differs; within the kernel's fd limit and MAX_BATCH_BYTES."""
-    out: list[tuple[bytes, list[int], list[_Queued]]] = []
-    i = 0
-    while i < len(queued):
-        base = queued[i].env
-        head = b'{"op": "spawn", "env": ' + json.dumps(base).encode() + b', "batch": ['
-        items: list[bytes] = []
-        fds: list[int] = []
-        taken: list[_Queued] = []
-        size = len(head)
-        while i < len(queued):
-            q = queued[i]
-            delta = {k: v for k, v in q.env.items() if base.get(k) != v} if q.env is not base else {}
-            unset = [k for k in base if k not in q.env] if q.env is not base else []
-            item = json.dumps({**q.wire, "env": delta, "unset": unset, "nfds": len(q.fds)}).encode()
-            if taken and (len(fds) + len(q.fds) > MAX_BATCH_FDS or size + len(item) > MAX_BATCH_BYTES):
-                break
-            items.append(item)
-            fds.extend(q.fds)
-            taken.append(q)
-            size += len(item) + 2
-            i += 1
-        out.append((head + b", ".join(items) + b"]}", fds, taken))
-    return out
 
 
 class SpawnerClient:
@@ -207,7 +80,7 @@ class SpawnerClient:
         # How the spawner sets a child up between fork and exec, from its hello (or the handover).
         self.exec_path: str | None = None
         self._closed = False
-        self._queue: list[_Queued] = []  # spawns of this turn of the loop, not sent yet
+        self._queue: list[QueuedSpawn] = []  # spawns of this turn of the loop, not sent yet
         self._kills: list[int] = []  # children no unit owns, to be killed by the spawner, not asked yet
         self._flush_scheduled = False
         self._writer = False  # waiting for room in the socket buffer
@@ -380,7 +253,7 @@ class SpawnerClient:
             raise SpawnError(f"spawn request too large ({size} bytes): environment or argv too big")
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
-        queued = _Queued(rid, wire, env, [out_w] if err_w is None else [out_w, err_w])
+        queued = QueuedSpawn(rid, wire, env, [out_w] if err_w is None else [out_w, err_w])
         queued.fds.extend(req.listen_fds)  # after stdio: the spawner counts them from the end
         self._queue.append(queued)
         if len(self._queue) >= PIPELINE_SPAWNS and not self._writer:
@@ -441,7 +314,7 @@ class SpawnerClient:
             self._fail_queued(q, "spawner is not running")
         self._queue.clear()
 
-    def _fail_queued(self, q: _Queued, why: str) -> None:
+    def _fail_queued(self, q: QueuedSpawn, why: str) -> None:
         fut = self._pending.pop(q.rid, None)
         if fut is not None and not fut.done():
             fut.set_exception(SpawnError(why))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import structlog
 
 from omnid.unitmodel import ListenSocket, Unit
-from omnid.unitvalues import parse_host_port
+from omnid.units import parse_host_port
 
 log = structlog.get_logger("omnid.sockets")
 

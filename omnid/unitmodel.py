@@ -26,13 +26,8 @@ RESERVED_ENV = frozenset({"OMNID_UNIT", "OMNID_INSTANCE", "OMNID_INSTANCES", "OM
                           "NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_FDNAMES", "LISTEN_PID"})
 
 # '@' separates a template from its instance number and '%' starts a specifier,
-# so neither may appear in a unit name; '/' would escape the directory.
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-_REFERENCE = re.compile(r"(?P<template>[A-Za-z0-9][A-Za-z0-9_.-]*)(?:@(?P<instance>[0-9]+))?")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# Only these: "%N" or "%s" in a unit's command (date +%s.%N) must reach it unchanged. The
-# instance count is in the environment instead (OMNID_INSTANCES).
-_SPECIFIER = re.compile(r"%[%in]")
+# so neither may appear in a unit name; '/' would escape the directory. Also a worker group's name.
+UNIT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 # torch.distributed's env:// rendezvous (set by omnid for `torch_distributed` units).
 TORCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

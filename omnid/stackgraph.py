@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 from omnid.unitfile import Template
 from omnid.unitkeys import GROUP_POLICY_KEYS
-from omnid.unitmodel import DrainHook, ListenSocket, Liveness, Progress, Ready, ReadyKind, Unit, UnitFileError
+from omnid.unitmodel import UNIT_NAME, DrainHook, ListenSocket, Liveness, Progress, Ready, ReadyKind, Unit, UnitFileError
 from omnid.unitvalues import InvalidValue, Table, http_url, quote, parse_host_port
 
 
@@ -20,7 +20,7 @@ from omnid.unitvalues import InvalidValue, Table, http_url, quote, parse_host_po
 
 
 # A dependency as written: NAME (every instance) or NAME@N.
-_REFERENCE = re.compile(r"(?P<template>[A-Za-z0-9][A-Za-z0-9_.-]*)(?:@(?P<instance>[0-9]+))?")
+_REFERENCE = re.compile(f"(?P<template>{UNIT_NAME.pattern})(?:@(?P<instance>[0-9]+))?")
 # Only these: "%N" or "%s" in a unit's command (date +%s.%N) must reach it unchanged. The
 # instance count is in the environment instead (OMNID_INSTANCES).
 _SPECIFIER = re.compile(r"%[%in]")

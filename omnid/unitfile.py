@@ -138,7 +138,9 @@ def parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list[
 
 
 def _template_key(t: Table, name: str) -> Any:
+    """One of TEMPLATE_KEYS, read through its row of the table."""
     key = UNIT_KEY_BY_NAME[name]
+    assert key.parse is not None  # each template key is one value (tests/test_unit_keys.py)
     return t.get(name, key.default, key.parse)
 
 

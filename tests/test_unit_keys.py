@@ -17,7 +17,7 @@ import pytest
 from omnid.core.reload import plan
 from omnid.units import (DrainHook, ListenSocket, Liveness, NumaMode, Progress, Ready, ReadyKind, Rlimit,
                          TorchDistributed, Unit, check_stack, load_stack)
-from omnid.unitkeys import UNIT_KEY_TABLE, UNIT_KEYS, OnChange, UnitKey
+from omnid.unitkeys import TEMPLATE_KEYS, UNIT_KEY_TABLE, UNIT_KEYS, OnChange, UnitKey
 from tests.harness import REPO, make_stack
 
 MAN = (REPO / "man" / "omnid.unit.5").read_text()
@@ -43,6 +43,10 @@ def documented_keys() -> dict[str, str]:
 def test_the_table_names_each_key_once():
     assert len(set(UNIT_KEYS)) == len(UNIT_KEYS) == len(UNIT_KEY_TABLE)
     assert all(k.doc and "\n" not in k.doc for k in UNIT_KEY_TABLE)
+    # Read by omnid.unitfile's own code: the nested tables. The template's keys are one value each.
+    assert {k.name for k in UNIT_KEY_TABLE if k.parse is None} == {"torch_distributed", "liveness", "progress",
+                                                                   "sockets"}
+    assert all(k.parse is not None for k in UNIT_KEY_TABLE if k.name in TEMPLATE_KEYS)
 
 
 @pytest.mark.parametrize("key", UNIT_KEY_TABLE, ids=lambda k: k.name)

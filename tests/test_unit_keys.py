@@ -17,6 +17,7 @@ import pytest
 from omnid.core.reload import plan
 from omnid.units import (DrainHook, ListenSocket, Liveness, NumaMode, Progress, Ready, ReadyKind, Rlimit,
                          TorchDistributed, Unit, check_stack, load_stack)
+from omnid.units import LIVENESS_KEYS, PROGRESS_KEYS, SOCKET_KEYS, TORCH_DISTRIBUTED_KEYS
 from omnid.unitkeys import TEMPLATE_KEYS, UNIT_KEY_TABLE, UNIT_KEYS, OnChange, UnitKey
 from tests.harness import REPO, make_stack
 
@@ -187,3 +188,14 @@ def test_omnid_8_lists_each_key_under_the_reload_class_of_the_table():
     assert named("restarted") == by_class[OnChange.RESTART]
     assert named("updated") == by_class[OnChange.SUPERVISION]
     assert "Changing\n.B instances\nadds or removes instances only" in section
+
+
+@pytest.mark.parametrize("parent, keys", [("liveness", LIVENESS_KEYS), ("progress", PROGRESS_KEYS),
+                                          ("sockets", SOCKET_KEYS), ("torch_distributed", TORCH_DISTRIBUTED_KEYS)])
+def test_the_keys_of_each_nested_table_are_documented_in_its_paragraph(parent: str, keys: tuple[str, ...]):
+    """From the key's tag to the next tag of another key of the table."""
+    after = MAN.split("\n.SH KEYS\n", 1)[1].split(f"\n.TP\n.B {parent}\n", 1)[1]
+    others = "|".join(k for k in UNIT_KEYS if k != parent)
+    paragraph = re.split(rf"\n\.T[PQ]\n\.BR? (?:{others})\b|\n\.SH ", after, maxsplit=1)[0]
+    for key in keys:
+        assert re.search(rf'(^\.BR? |\\fB|[{{,] ){key}\b', paragraph, re.M), f"{parent}.{key} is not documented"

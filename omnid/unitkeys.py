@@ -27,6 +27,9 @@ from omnid.unitvalues import (MAX_INSTANCES, argv, boolean, cgroup_amount, choic
                               group_name, integer, limits, nonempty_string, numa, parse_signal, ready, seconds,
                               seconds_at_most, string, string_list)
 
+__all__ = ["GROUP_POLICY_KEYS", "TEMPLATE_KEYS", "UNIT_KEY_BY_NAME", "UNIT_KEY_TABLE", "UNIT_KEYS", "OnChange",
+           "UnitKey"]
+
 
 class OnChange(StrEnum):
     """What `omnid reload` does to a running unit instance when the key changed."""
@@ -53,8 +56,8 @@ R, S, I = OnChange.RESTART, OnChange.SUPERVISION, OnChange.INSTANCES
 
 UNIT_KEY_TABLE: tuple[UnitKey, ...] = (
     UnitKey("exec", RUN, argv, ("true",), R, "the program and its arguments, run without a shell; required"),
-    UnitKey("description", RUN, string, "", S, "a line for the operator, shown by omnid status"),
-    UnitKey("role", RUN, string, "", S, "a free-form role (serve, engine, worker), shown by omnid status"),
+    UnitKey("description", RUN, string, "", S, "free text, shown in status"),
+    UnitKey("role", RUN, string, "", S, "what the unit is in the stack (serve, engine, worker, ...), shown in status"),
     UnitKey("title", RUN, string, DEFAULT_TITLE, R, 'the process title of Python units; "" leaves it alone'),
     UnitKey("cwd", RUN, nonempty_string, None, R, "the working directory, relative to the stack directory"),
     UnitKey("env", RUN, env, MappingProxyType({}), R, "extra environment variables, %i and %n expanded"),
@@ -75,7 +78,7 @@ UNIT_KEY_TABLE: tuple[UnitKey, ...] = (
     UnitKey("restart_max_sec", RESTARTING, seconds(zero_ok=True), 60.0, S, "the longest wait between restarts"),
     UnitKey("start_limit_burst", RESTARTING, integer(1), 5, S, "more starts than this within the interval: failed"),
     UnitKey("start_limit_interval", RESTARTING, seconds(zero_ok=False), 60.0, S, "the start limit's window, seconds"),
-    UnitKey("gpu_min_free_mib", RUN, integer(0), 0, S, "free GPU memory below this many MiB degrades the stack"),
+    UnitKey("gpu_min_free_mib", RUN, integer(0), 0, S, "free memory on a GPU of the unit below this: degraded"),
     UnitKey("worker_group", GROUPS, group_name, None, R, "units that fail, stop and restart together"),
     UnitKey("group_hosts", GROUPS, group_hosts, (), R, "the hosts a worker group spans, the leading host first"),
     UnitKey("torch_distributed", GROUPS, None, None, R, "torch.distributed env:// rendezvous for a worker group"),

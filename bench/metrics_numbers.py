@@ -41,7 +41,7 @@ class _Cgroups:
         return True
 
     # The real rendering over the stand-in figures (metrics_lines: its name before
-    # omnid.promtext, when this file is copied into an older checkout to compare).
+    # omnid.base.promtext, when this file is copied into an older checkout to compare).
     write_metrics = getattr(CgroupRoot, "write_metrics", None)
     metrics_lines = getattr(CgroupRoot, "metrics_lines", None)
 
@@ -167,7 +167,7 @@ def main() -> None:
         return loop.run_until_complete(srv.metrics(None)).body
 
     page = omnid_page()
-    rows = [("omnid.health /metrics", omnid_page, page)]
+    rows = [("omnid.api.health /metrics", omnid_page, page)]
     try:
         ours = prometheus_client_page(srv)
         rows.append(("prometheus_client generate_latest", lambda: prometheus_client_page(srv), ours))

@@ -40,7 +40,7 @@ def _use(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     else:
         monkeypatch.delenv("OMNID_SPAWNER_PYTHON", raising=False)
         if _spawnc is None:
-            pytest.skip("omnid._spawnc is not built here (no C compiler at install): only the Python path runs")
+            pytest.skip("omnid.process._spawnc is not built here (no C compiler at install): only the Python path runs")
 
 
 def status_of(pid: int) -> dict[str, str]:
@@ -156,7 +156,7 @@ def _failing(tmp_path: Path) -> list[tuple[str, SpawnRequest]]:
 
 def test_every_failure_reads_the_same_on_either_path(monkeypatch, tmp_path):
     if _spawnc is None:
-        pytest.skip("omnid._spawnc is not built here (no C compiler at install): nothing to compare")
+        pytest.skip("omnid.process._spawnc is not built here (no C compiler at install): nothing to compare")
     seen: dict[str, list[tuple[str, int | None]]] = {}
     for path in PATHS:
         _use(path, monkeypatch)
@@ -216,7 +216,7 @@ def test_the_compiled_path_is_built_wherever_a_c_compiler_is():
         pytest.skip("no C compiler on this host: the Python path is the expected one")
     if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
         pytest.skip("no Python headers for this interpreter: the Python path is the expected one")
-    assert _spawnc is not None, "a C compiler is here but omnid._spawnc was not built: see the pip install's output"
+    assert _spawnc is not None, "a C compiler is here but omnid.process._spawnc was not built: see the pip install's output"
 
 
 CHILD_WITHOUT_PIDFD = r"""
@@ -272,7 +272,7 @@ def test_a_compiled_child_keeps_no_fd_but_stdio_with_close_range_or_without(walk
     # A kernel before 5.9 has no close_range: the child walks /proc/self/fd instead (a raised
     # RLIMIT_NOFILE would make closing every number a million system calls a spawn).
     if _spawnc is None:
-        pytest.skip("omnid._spawnc is not built here (no C compiler at install)")
+        pytest.skip("omnid.process._spawnc is not built here (no C compiler at install)")
     r, w = os.pipe()
     high = os.dup2(w, 1000, inheritable=True)
     os.set_inheritable(r, True)

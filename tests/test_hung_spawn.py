@@ -59,7 +59,7 @@ def test_a_spawn_on_a_hung_mount_fails_after_its_bound_and_freezes_nothing_else(
                      "daemon ready")
     spawner = ready["spawner_pid"]
     if path == "compiled" and d.ok("status")["daemon"]["spawner_exec_path"] != "compiled":
-        pytest.skip("omnid._spawnc is not built here (python setup.py build_ext --inplace)")
+        pytest.skip("omnid.process._spawnc is not built here (python setup.py build_ext --inplace)")
     assert d.ok("status")["daemon"]["spawner_exec_path"] == path
     workers = wait_for(lambda: (us := d.units()) and all(us[w]["state"] == "active" for w in us if w != "stuck")
                        and us, 20, "the 16 others active")

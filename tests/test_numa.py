@@ -1,4 +1,4 @@
-"""NUMA placement at birth (omnid.numa, unit key `numa`): decided from the GPUs' topology and set
+"""NUMA placement at birth (omnid.process.numa, unit key `numa`): decided from the GPUs' topology and set
 by the spawner between fork and exec. This machine has one NUMA node and no GPU, so the GPU
 topology is a fake sysfs tree (OMNID_SYSFS_ROOT) and the tests say so in their names; what the
 unit process gets is read from the kernel (/proc/PID/status, /proc/PID/numa_maps)."""

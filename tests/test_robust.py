@@ -54,7 +54,7 @@ def test_pidfd_if_keeps_a_pidfd_whose_process_still_runs_after_the_proof():
 
 # ------------------------------------------------------------------ control socket
 def test_event_socket_receive_error_is_logged_and_the_counter_goes_on(tmp_path):
-    """`zmq` is imported for type checking only in omnid.control: an `except zmq.ZMQError`
+    """`zmq` is imported for type checking only in omnid.api.control: an `except zmq.ZMQError`
     there is a NameError that kills the subscription counter silently."""
     path = str(tmp_path / "c.sock")
 

@@ -1,5 +1,5 @@
 """Prometheus figures the daemon accumulates between scrapes (rendered by
-omnid.health's /metrics). Base units: seconds and bytes."""
+omnid.api.health's /metrics). Base units: seconds and bytes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ DEATH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 
 
 class Histogram:
-    """Observations per bucket, per label value (the unit); omnid.promtext writes them
+    """Observations per bucket, per label value (the unit); omnid.base.promtext writes them
     (cumulative, with _sum and _count)."""
 
     def __init__(self, buckets: tuple[float, ...] = DEATH_BUCKETS) -> None:

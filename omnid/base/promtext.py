@@ -1,7 +1,7 @@
 """The Prometheus text exposition format (version 0.0.4), written and read in this one module.
 
-Writing: every producer of omnid's /metrics page (omnid.health, omnid.metrics' histogram,
-omnid.cgroup's figures, omnid.cluster.metrics) fills one `Page`: a family is declared once
+Writing: every producer of omnid's /metrics page (omnid.api.health, omnid.api.metrics' histogram,
+omnid.process.cgroup's figures, omnid.cluster.metrics) fills one `Page`: a family is declared once
 with its HELP and TYPE (a second declaration of a name is an error, so no family is written
 twice), a counter's name ends in `_total` and a gauge's does not, label values are escaped
 (backslash, double quote, newline) and values formatted here (integers as integers, floats
@@ -11,7 +11,7 @@ Why hand-built and not prometheus_client (bench/metrics_numbers.py: a 64-unit st
 series, CPU time per page on the project's shared 2-core VM):
 - The page is built on the loop that sees deaths, at scrape time, from the supervisor's
   state; nothing is accumulated in metric objects except one histogram, which must survive a
-  re-exec (omnid.metrics hands it over). So prometheus_client would serve only as a text
+  re-exec (omnid.api.metrics hands it over). So prometheus_client would serve only as a text
   formatter (custom collectors of GaugeMetricFamily & co. plus generate_latest), and as one
   it costs ~5x the loop time of this writer: median 17.7 ms CPU a page against 3.7 ms
   (the three hand-built writers this module replaced: 6.0 ms).

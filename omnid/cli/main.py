@@ -1,6 +1,6 @@
 """The `omnid` command line (omnid(8)): the commands and
-the parser. Talking to the daemon lives in omnid.client, what is printed in
-omnid.render, where settings come from in omnid.settings.
+the parser. Talking to the daemon lives in omnid.cli.client, what is printed in
+omnid.cli.render, where settings come from in omnid.model.settings.
 
 Exit codes: 0 ok, and nothing to show (a note on stderr); 1 the operation failed
 (reason printed), 2 usage or configuration error, 3 no daemon running (except

@@ -5,7 +5,7 @@ or its working directory is missing: say so before starting.
 
 The answers are about *this* host. `omnid check` prints them as warnings (the
 stack may be meant for another host); `omnid check --this-host` makes them
-errors (exit 2). NUMA placement (omnid.numa) adds notes: the unit's own numactl or
+errors (exit 2). NUMA placement (omnid.process.numa) adds notes: the unit's own numactl or
 thread-pinning env (always), and, with --this-host, GPUs whose NUMA node cannot be read
 here (a warning: the unit still starts, unplaced) and a `numa = N` this host has no
 node N for (an error: that spawn would fail).

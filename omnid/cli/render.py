@@ -326,7 +326,7 @@ def print_unit_detail(u: dict, lines: list[dict], *, colour: bool | None = None)
 
 
 def placement_lines(p: dict, pid: int | None) -> list[str]:
-    """`omnid status UNIT`: the NUMA placement omnid sets at spawn (omnid.numa), and what the
+    """`omnid status UNIT`: the NUMA placement omnid sets at spawn (omnid.process.numa), and what the
     kernel says about the running process."""
     if p.get("error"):
         lines = [f"      NUMA: none: {p['error']}"]

@@ -8,7 +8,7 @@
 - mirror    the stack's keys as last seen (a snapshot, then the watch), values checked once
 - session   one per daemon: lease, keepalive, watch, heartbeat, the fencing clock
 - group     one per cross-host worker group: the generation barrier, failures, rank environment
-- metrics   its Prometheus lines (omnid.health renders them)
+- metrics   its Prometheus lines (omnid.api.health renders them)
 
 Only `settings` may be imported by a daemon without `[cluster]`; the rest loads gRPC.
 """

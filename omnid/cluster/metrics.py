@@ -1,5 +1,5 @@
 """Prometheus families for a stack across hosts (/metrics, omnid(8) METRICS): generations,
-fencing, the etcd connection, hostile values and datagrams. Written by omnid.health onto its
+fencing, the etcd connection, hostile values and datagrams. Written by omnid.api.health onto its
 page (omnid.promtext.Page) only when `[cluster]` is set."""
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ class ClusterSession:
         await self.link.close()
         self.peers.close()
 
-    # -- re-exec (omnid.handover) --------------------------------------------------------------
+    # -- re-exec (omnid.daemon.handover) --------------------------------------------------------------
     async def pause_for_exec(self) -> None:
         """Before a re-exec: the down records still being written get a moment; the loops and
         the watch stop; the lease is renewed once more, so the next program starts with a whole

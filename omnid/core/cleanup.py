@@ -1,5 +1,5 @@
 """What a unit leaves besides processes, taken away when it is gone: its private
-temporary directory (omnid.privatetmp) and its IPC objects (omnid.ipc). The executor
+temporary directory (omnid.process.privatetmp) and its IPC objects (omnid.process.ipc). The executor
 calls `before_spawn` (a new directory, a fresh IPC record; the previous instance's
 removal finished first, so a restart never meets its predecessor's objects), `spawned`,
 `gone` (a stop: awaited before GONE, so the stop summary names what was removed) and

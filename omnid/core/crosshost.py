@@ -365,7 +365,7 @@ class CrossHost:
                       "remote_down": lk.counters["remote_down"]}
         return out
 
-    # -- re-exec (omnid.handover) ---------------------------------------------------------------------
+    # -- re-exec (omnid.daemon.handover) ---------------------------------------------------------------------
     def exec_refusal(self) -> str | None:
         """Why a re-exec must not go on now, or None."""
         s = self.session

@@ -148,7 +148,7 @@ class Executor:
             self.sup.monitors.stop(rt)
 
     def _task(self, rt: UnitRuntime, kind: str, coro: Coroutine[Any, Any, None]) -> None:
-        """A task working for rt: a crash is that unit's INTERNAL_ERROR (omnid.tasks)."""
+        """A task working for rt: a crash is that unit's INTERNAL_ERROR (omnid.base.tasks)."""
         epoch = rt.epoch
 
         def crashed(exc: BaseException) -> None:
@@ -192,7 +192,7 @@ class Executor:
         extra = groups.environment(sup, rt)
         listen: list[int] = []
         if spec.sockets:
-            try:  # bound before the unit's first start, held from then on (omnid.sockets)
+            try:  # bound before the unit's first start, held from then on (omnid.process.sockets)
                 listen, names = sup.sockets.fds_for(spec)
             except BindError as exc:
                 sup.feed(rt, E.SPAWN_FAILED, str(exc))

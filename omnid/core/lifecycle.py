@@ -18,7 +18,7 @@ no position at all is answered with IllegalEvent (a bug in the supervisor, never
 
 INTERNAL_ERROR (an action or a task working for the unit raised: a bug) has a way out of
 every position: the unit ends `failed` with the reason naming the action and the exception,
-and what it had running is killed first through the termination policy (omnid.termination).
+and what it had running is killed first through the termination policy (omnid.process.termination).
 
 The legal state changes (`LEGAL`) and the diagram in omnid.unit(5) are derived
 from this table; nothing else lists transitions.

@@ -31,21 +31,19 @@ from omnid.core.centre import Centre
 from omnid.core.lifecycle import Goal, UnitState
 from omnid.core.runtime import RestartBook, UnitRuntime
 from omnid.process.output import UnitOutput
+from omnid.model.keys import UNIT_KEY_TABLE, OnChange
 from omnid.model.units import ReadyKind, Stack, UpdatePolicy
 from omnid.model.units import Unit as UnitSpec
 
 log = structlog.get_logger("omnid.reload")
 S = UnitState
 
-# Keys that say who a unit instance is, not what it runs.
-_IDENTITY = frozenset({"name", "template", "instance", "instances", "file"})
-# Keys that only say how omnid supervises a running process: changed in place.
-SUPERVISION_KEYS = frozenset({
-    "description", "role", "restart", "restart_sec", "restart_max_sec", "start_limit_burst",
-    "start_limit_interval", "ready_timeout", "stop_timeout", "kill_timeout", "drain_timeout", "capture_timeout",
-    "watchdog_sec", "liveness", "ready", "after", "requires", "gpu_min_free_mib", "stop_signal", "drain",
-    "progress", "ready_interval", "kill_mode", "leftover_timeout", "remove_ipc", "update", "max_unavailable",
-})
+# Fields that say who a unit instance is, not what it runs (a change of `instances` adds or
+# removes instances and leaves the others alone).
+_IDENTITY = frozenset({"name", "template", "instance", "file"} |
+                      {k.name for k in UNIT_KEY_TABLE if k.change is OnChange.INSTANCES})
+# Keys that only say how omnid supervises a running process: changed in place (omnid.model.keys).
+SUPERVISION_KEYS = frozenset(k.name for k in UNIT_KEY_TABLE if k.change is OnChange.SUPERVISION)
 # Daemon settings a running daemon cannot change (its sockets, files and cgroup root).
 FIXED_SETTINGS = ("control", "state_dir", "health_listen", "cgroup_root", "log_format", "cluster", "exit_when_failed")
 

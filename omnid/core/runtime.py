@@ -102,7 +102,7 @@ class UnitRuntime:
     capture_summary: str = ""  # the last capture of its stacks before a kill, in a line
     last_exit_what: str = ""  # how the main process ended: "killed by SIGKILL (pid 12, while active)"
     start_requested: bool = False  # an operator's start is pending: the next start is no automatic restart
-    private_tmp: str = ""  # the instance's TMPDIR (omnid.privatetmp); "" = none
+    private_tmp: str = ""  # the instance's TMPDIR (omnid.process.privatetmp); "" = none
     ipc_removed: list[str] = field(default_factory=list)  # IPC objects removed when it was last gone
     # Taken out by a rolling restart (omnid.core.requests.roll): its dependents do not count it
     # as down, since its sibling instances serve them; cleared by the next operator start/stop.

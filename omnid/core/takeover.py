@@ -1,4 +1,4 @@
-"""Across the daemon's re-exec (omnid.handover), the supervisor's part: every unit's runtime
+"""Across the daemon's re-exec (omnid.daemon.handover), the supervisor's part: every unit's runtime
 record, restart book and recent output written out by the old program (`handover`), taken
 over by the new one (`take_over`: same processes, their pidfds and pipes inherited), and
 what the records imply re-armed (`resume`)."""
@@ -18,7 +18,7 @@ S = UnitState
 
 
 def handover(sup: Centre) -> dict:
-    """Every unit's runtime record, restart book and recent output (omnid.handover)."""
+    """Every unit's runtime record, restart book and recent output (omnid.daemon.handover)."""
     books: dict[str, dict] = {}
     units: dict[str, dict] = {}
     for name in sup.order:

@@ -439,7 +439,7 @@ def validate(rec: dict[str, Any], stack: Any) -> None:
     if not fd_alive(int(rec["lock_fd"])):
         raise ValueError(f"lock_fd {rec['lock_fd']} is not open")
     sup = rec["supervisor"]
-    for name, held in (sup.get("sockets") or {}).items():  # units' listening sockets (omnid.sockets)
+    for name, held in (sup.get("sockets") or {}).items():  # units' listening sockets (omnid.process.sockets)
         if not all(fd_alive(int(h["fd"])) and str(h["listen"]) for h in held):
             raise ValueError(f"unit {name}: a listening socket's fd is not open")
     books = {str(k): RestartBook.from_json(b) for k, b in sup["books"].items()}

@@ -77,7 +77,7 @@ def bind_listener(listen: str) -> socket.socket:
     return sock
 
 
-# Kept importable from here: the one resolver lives in omnid.settings.
+# Kept importable from here: the one resolver lives in omnid.model.settings.
 default_control = settings.default_control
 default_state_dir = settings.default_state_dir
 default_units_dir = settings.default_units_dir
@@ -445,7 +445,7 @@ class Daemon:
             await self.control.close()
         self.zmq.term()
 
-    # -- re-exec (omnid.handover) ---------------------------------------------------
+    # -- re-exec (omnid.daemon.handover) ---------------------------------------------------
     def start_reexec(self, check) -> None:  # noqa: ANN001 - omnid.handover.ProgramCheck
         from omnid.daemon import handover
 
@@ -560,7 +560,7 @@ def run(units_dir: str | None, control: str | None, state_dir: str | None, healt
         spawner: SpawnerProcess | None = None) -> int:
     """The `omnid daemon` command. Returns the process exit code. `takeover`: the fd of the
     handover a previous program of this daemon left (omnid reexec). `spawner`: one already
-    started (omnid.spawnstart), taken over; else one is started here."""
+    started (omnid.process.spawnstart), taken over; else one is started here."""
     # A thread running Python (a reload's parse, a capture's listing, the health API's
     # import) keeps the GIL for the switch interval at a time, and the loop that sees deaths
     # waits for it: 1 ms instead of Python's 5. Measured beside a thread spinning in Python: a

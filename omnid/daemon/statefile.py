@@ -82,7 +82,7 @@ def parse_state(data: object, path: Path | str = "state.json") -> PreviousState 
 
 
 class StateFile:
-    """state.json in a directory only the daemon can write (checked at start: omnid.ownership).
+    """state.json in a directory only the daemon can write (checked at start: omnid.base.ownership).
     Written through a fresh O_EXCL|O_NOFOLLOW temporary file, read with O_NOFOLLOW and a size cap."""
 
     def __init__(self, state_dir: Path) -> None:
@@ -169,7 +169,7 @@ def find_leftovers(previous: PreviousState) -> list[Leftover]:
 
 
 def kill_leftovers(leftovers: list[Leftover], deadline_s: float = 5.0) -> list[str]:
-    """SIGKILL each proven leftover through a pidfd (the one kill policy, omnid.termination);
+    """SIGKILL each proven leftover through a pidfd (the one kill policy, omnid.process.termination);
     returns descriptions of what still lives after deadline_s."""
     from omnid.process.termination import terminate_leftovers
 

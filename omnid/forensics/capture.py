@@ -10,7 +10,7 @@ in time (`capture_timeout`, never longer) and in size (cut, and it says so); wha
 could not be captured is recorded as text, never raised. A process in D state (stuck in
 a driver, e.g. nvidia_uvm) is named as such first in the one-line summary that goes into
 the unit's failure reason. The record itself (text, JSON, summary, size cut) is
-omnid.hangrecord; captures are kept by omnid.capturestore and shown by
+omnid.forensics.record; captures are kept by omnid.forensics.store and shown by
 `omnid status UNIT` and `omnid dump UNIT [--last N] [--now]`.
 
 Why py-spy (PyPI `py-spy`) for the Python stacks: it reads the target's memory from
@@ -22,7 +22,7 @@ processes omnid kills. `--nonblocking` keeps it from ptrace-stopping the target 
 would not return for a stopped or D-state process). The alternatives need the target's
 help (faulthandler through a signal: a stopped or GIL-starved process never runs it) or
 stop it and are not a pip install (gdb). py-spy is started with os.posix_spawn (the
-daemon never forks; omnid.helperproc), killed through a pidfd at the deadline.
+daemon never forks; omnid.forensics.helper), killed through a pidfd at the deadline.
 
 /proc reads run on a small pool of worker threads: reading /proc/PID/cmdline takes the
 target's memory lock, which a process stuck in D state may hold forever; the event loop
@@ -451,7 +451,7 @@ def add_last_capture(units: list[dict[str, Any]], store: CaptureStore) -> None:
             u["last_capture"] = last
 
 
-# The record lives in omnid.hangrecord; these names are part of this module's face too.
+# The record lives in omnid.forensics.record; these names are part of this module's face too.
 __all__ = ["Capture", "DEFAULT_BUDGET_S", "DEFAULT_MAX_BYTES", "MAX_BUDGET_S", "Member", "PY_SPY_ENV", "ProcessDump",
            "PyThread", "ThreadState", "add_last_capture", "capture", "capture_unit", "find_py_spy", "handle_dump",
            "json_size", "member_list", "members_of", "parse_py_spy", "summarize"]

@@ -64,7 +64,7 @@ class DaemonConfig:
     state_dir: str
     health_listen: str
     log_format: str
-    cgroup_root: str | None = None  # None: delegation under systemd, else process groups (omnid.cgroup)
+    cgroup_root: str | None = None  # None: delegation under systemd, else process groups (omnid.process.cgroup)
     # Where each value came from ("flag", "env", "omnid.toml", "default"): shown by
     # `omnid start` when it refuses, and checked by the tests.
     sources: tuple[tuple[str, str], ...] = ()

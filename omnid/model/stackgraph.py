@@ -4,17 +4,26 @@ tiers (Kahn, linear) and worker groups."""
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
-from omnid.model.unitfile import GROUP_POLICY_KEYS, _Template
-from omnid.model.unitmodel import DrainHook, ListenSocket, Liveness, Progress, Ready, ReadyKind, Unit, UnitFileError, _REFERENCE, _SPECIFIER
-from omnid.model.unitvalues import _Invalid, _Table, _http_url, _quote, parse_host_port
+from omnid.model.unitfile import Template
+from omnid.model.keys import GROUP_POLICY_KEYS
+from omnid.model.unitmodel import UNIT_NAME, DrainHook, ListenSocket, Liveness, Progress, Ready, ReadyKind, Unit, UnitFileError
+from omnid.model.unitvalues import InvalidValue, Table, http_url, quote, parse_host_port
 
 
 # --------------------------------------------------------------------------- expansion
+
+
+# A dependency as written: NAME (every instance) or NAME@N.
+_REFERENCE = re.compile(f"(?P<template>{UNIT_NAME.pattern})(?:@(?P<instance>[0-9]+))?")
+# Only these: "%N" or "%s" in a unit's command (date +%s.%N) must reach it unchanged. The
+# instance count is in the environment instead (OMNID_INSTANCES).
+_SPECIFIER = re.compile(r"%[%in]")
 
 
 def _expand(text: str, name: str, instance: int) -> str:
@@ -22,14 +31,14 @@ def _expand(text: str, name: str, instance: int) -> str:
     return _SPECIFIER.sub(lambda m: {"%%": "%", "%i": str(instance), "%n": name}[m.group()], text)
 
 
-def _instance_names(template: _Template) -> list[tuple[str, int]]:
+def instance_names(template: Template) -> list[tuple[str, int]]:
     if template.instances == 1:
         return [(template.name, 0)]
     return [(f"{template.name}@{i}", i) for i in range(template.instances)]
 
 
-def _expand_unit(
-    template: _Template,
+def expand_unit(
+    template: Template,
     name: str,
     instance: int,
     directory: Path,
@@ -38,7 +47,7 @@ def _expand_unit(
 ) -> Unit:
     v = template.values
     x: Callable[[str], str] = lambda s: _expand(s, name, instance)  # noqa: E731
-    t = _Table(template.file, {}, errors)  # only for t.error(): values here are already typed
+    t = Table(template.file, {}, errors)  # only for t.error(): values here are already typed
 
     env = {k: x(val) for k, val in v["env"].items()}
     gpus: tuple[int | str, ...] = ()
@@ -54,8 +63,8 @@ def _expand_unit(
     ready: Ready = v["ready"]
     if ready.kind is ReadyKind.HTTP:
         try:
-            ready = Ready(ReadyKind.HTTP, url=_http_url(x(ready.url)))
-        except _Invalid as exc:
+            ready = Ready(ReadyKind.HTTP, url=http_url(x(ready.url)))
+        except InvalidValue as exc:
             t.error("ready.http", str(exc))
     elif ready.kind is ReadyKind.TCP:
         try:
@@ -69,20 +78,20 @@ def _expand_unit(
                            headers=tuple((k, x(val)) for k, val in liveness.headers))
         if liveness.url:
             try:
-                liveness = replace(liveness, url=_http_url(x(liveness.url)))
-            except _Invalid as exc:
+                liveness = replace(liveness, url=http_url(x(liveness.url)))
+            except InvalidValue as exc:
                 t.error("liveness.http", str(exc))
     progress: Progress | None = v["progress"]
     if progress is not None and progress.metrics:
         try:
-            progress = replace(progress, metrics=_http_url(x(progress.metrics)))
-        except _Invalid as exc:
+            progress = replace(progress, metrics=http_url(x(progress.metrics)))
+        except InvalidValue as exc:
             t.error("progress.metrics", str(exc))
     drain: DrainHook | None = v["drain"]
     if drain is not None and drain.url:
         try:
-            drain = DrainHook(url=_http_url(x(drain.url)))
-        except _Invalid as exc:
+            drain = DrainHook(url=http_url(x(drain.url)))
+        except InvalidValue as exc:
             t.error("drain.http", str(exc))
     sockets = _expand_sockets(v["sockets"], name, x, t)
     cwd = v["cwd"]
@@ -90,63 +99,21 @@ def _expand_unit(
         # Relative to the stack directory: the daemon's own cwd is "/" under systemd.
         cwd = str(directory / x(cwd))
 
-    return Unit(
-        name=name,
-        template=template.name,
-        instance=instance,
-        instances=template.instances,
-        file=template.file,
-        exec=tuple(x(a) for a in v["exec"]),
-        description=v["description"],
-        role=v["role"],
-        title=x(v["title"]),
-        after=tuple(dependencies["after"]),
-        requires=tuple(dependencies["requires"]),
-        cwd=cwd,
-        env=MappingProxyType(env),
-        user=v["user"],
-        group=v["group"],
-        limits=v["limits"],
-        gpus=gpus,
-        ready=ready,
-        ready_timeout=v["ready_timeout"],
-        liveness=liveness,
-        progress=progress,
-        ready_interval=v["ready_interval"],
-        watchdog_sec=v["watchdog_sec"],
-        stop_signal=v["stop_signal"],
-        stop_timeout=v["stop_timeout"],
-        kill_timeout=v["kill_timeout"],
-        kill_mode=v["kill_mode"],
-        leftover_timeout=v["leftover_timeout"],
-        update=v["update"],
-        max_unavailable=v["max_unavailable"],
-        private_tmp=v["private_tmp"],
-        remove_ipc=v["remove_ipc"],
-        capture_timeout=v["capture_timeout"],
-        drain=drain,
-        drain_timeout=v["drain_timeout"],
-        restart=v["restart"],
-        restart_sec=v["restart_sec"],
-        restart_max_sec=v["restart_max_sec"],
-        start_limit_burst=v["start_limit_burst"],
-        start_limit_interval=v["start_limit_interval"],
-        gpu_min_free_mib=v["gpu_min_free_mib"],
-        worker_group=v["worker_group"],
-        torch_distributed=v["torch_distributed"],
-        group_hosts=v["group_hosts"],
-        memory_max=v["memory_max"],
-        tasks_max=v["tasks_max"],
-        numa=v["numa"],
-        sockets=sockets,
-    )
+    # Every key of the table is a Unit field of its name: the values pass through as parsed,
+    # but for those expanded or checked above.
+    fields = {**v, "exec": tuple(x(a) for a in v["exec"]), "title": x(v["title"]), "cwd": cwd,
+              "env": MappingProxyType(env), "gpus": gpus, "ready": ready, "liveness": liveness,
+              "progress": progress, "drain": drain, "sockets": sockets}
+    return Unit(name=name, template=template.name, instance=instance, instances=template.instances,
+                file=template.file, after=tuple(dependencies["after"]), requires=tuple(dependencies["requires"]),
+                **fields)
 
 
 _SUN_PATH_MAX = 107  # sockaddr_un's sun_path holds 108 bytes with the NUL
 
 
 def _expand_sockets(sockets: tuple[ListenSocket, ...], name: str, x: Callable[[str], str],
-                    t: _Table) -> tuple[ListenSocket, ...]:
+                    t: Table) -> tuple[ListenSocket, ...]:
     """`sockets` with %i / %n expanded and each address checked: a numeric HOST:PORT (no
     resolver thread in the daemon) or an absolute path that fits sockaddr_un."""
     out: list[ListenSocket] = []
@@ -159,7 +126,7 @@ def _expand_sockets(sockets: tuple[ListenSocket, ...], name: str, x: Callable[[s
         if listen.startswith("/"):
             if len(listen.encode()) > _SUN_PATH_MAX or "\0" in listen:
                 t.error(f"{key}.listen", f"expected a Unix socket path of at most {_SUN_PATH_MAX} bytes, "
-                        f"got {_quote(listen)}")
+                        f"got {quote(listen)}")
                 continue
         else:
             try:
@@ -168,7 +135,7 @@ def _expand_sockets(sockets: tuple[ListenSocket, ...], name: str, x: Callable[[s
             except ValueError as exc:
                 msg = str(exc) if "HOST:PORT" in str(exc) else (
                     f'expected a numeric address ("127.0.0.1:8000", "[::]:8000") or an absolute Unix socket '
-                    f"path, got {_quote(listen)}")
+                    f"path, got {quote(listen)}")
                 t.error(f"{key}.listen", msg)
                 continue
             if s.mode is not None:
@@ -183,7 +150,7 @@ def _expand_sockets(sockets: tuple[ListenSocket, ...], name: str, x: Callable[[s
     return tuple(out)
 
 
-def _socket_clashes(units: Mapping[str, Unit], errors: list[UnitFileError]) -> None:
+def check_socket_clashes(units: Mapping[str, Unit], errors: list[UnitFileError]) -> None:
     """Two units (or instances) on one address: the second bind would fail at its start,
     unless every socket on it sets reuseport (then the kernel spreads the connections)."""
     first: dict[str, tuple[Unit, int, bool]] = {}
@@ -194,25 +161,25 @@ def _socket_clashes(units: Mapping[str, Unit], errors: list[UnitFileError]) -> N
                 continue
             if s.unix or not (s.reuseport and other[2]):
                 errors.append(UnitFileError(unit.file, f"sockets[{i}].listen", (
-                    f"{_quote(s.listen)} is also a socket of {other[0].name}; expected each address once "
+                    f"{quote(s.listen)} is also a socket of {other[0].name}; expected each address once "
                     f"(a TCP address shared by instances: reuseport = true on each)")))
 
 
 def _resolve_reference(
-    reference: str, templates: Mapping[str, _Template], broken: set[str]
+    reference: str, templates: Mapping[str, Template], broken: set[str]
 ) -> tuple[list[str], str | None]:
     """A dependency as written -> unit names, or an error message saying what was expected."""
     match = _REFERENCE.fullmatch(reference)
     if match is None:
-        return [], f"expected a unit name (NAME or NAME@N), got {_quote(reference)}"
+        return [], f"expected a unit name (NAME or NAME@N), got {quote(reference)}"
     target = templates.get(match["template"])
     if target is None:
         if match["template"] in broken:
             return [], None  # that file's own errors are already reported
         known = ", ".join(sorted(templates)) or "none"
-        return [], f"unknown unit {_quote(reference)}; expected one of the units in this directory: {known}"
+        return [], f"unknown unit {quote(reference)}; expected one of the units in this directory: {known}"
     if match["instance"] is None:
-        return [n for n, _ in _instance_names(target)], None
+        return [n for n, _ in instance_names(target)], None
     if target.instances == 1:
         return [], f'unknown unit "{reference}"; {target.name} has no instances, expected "{target.name}"'
     if int(match["instance"]) >= target.instances or match["instance"] != str(int(match["instance"])):
@@ -223,11 +190,11 @@ def _resolve_reference(
     return [reference], None
 
 
-def _dependencies(
-    template: _Template,
+def declared_dependencies(
+    template: Template,
     name: str,
     instance: int,
-    templates: Mapping[str, _Template],
+    templates: Mapping[str, Template],
     broken: set[str],
     errors: list[UnitFileError],
 ) -> dict[str, list[str]]:
@@ -254,7 +221,7 @@ def _dependencies(
 # --------------------------------------------------------------------------- ordering
 
 
-def _tiers(
+def start_tiers(
     units: Mapping[str, Unit], edges: Mapping[str, Mapping[str, str]], errors: list[UnitFileError]
 ) -> tuple[tuple[tuple[Unit, ...], ...], dict[str, int]]:
     """Layer units by dependencies (Kahn); report each dependency cycle once."""
@@ -314,7 +281,7 @@ def _tiers(
     return tuple(tiers), tier_of
 
 
-def _worker_groups(units: Mapping[str, Unit], errors: list[UnitFileError]) -> dict[str, tuple[str, ...]]:
+def worker_groups(units: Mapping[str, Unit], errors: list[UnitFileError]) -> dict[str, tuple[str, ...]]:
     """worker_group -> members in rank order; members must share one restart policy and must
     not wait for each other (they start together: a rank that waits for a peer's readiness,
     which needs the rank itself, would never start)."""

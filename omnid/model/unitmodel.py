@@ -26,13 +26,8 @@ RESERVED_ENV = frozenset({"OMNID_UNIT", "OMNID_INSTANCE", "OMNID_INSTANCES", "OM
                           "NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_FDNAMES", "LISTEN_PID"})
 
 # '@' separates a template from its instance number and '%' starts a specifier,
-# so neither may appear in a unit name; '/' would escape the directory.
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-_REFERENCE = re.compile(r"(?P<template>[A-Za-z0-9][A-Za-z0-9_.-]*)(?:@(?P<instance>[0-9]+))?")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# Only these: "%N" or "%s" in a unit's command (date +%s.%N) must reach it unchanged. The
-# instance count is in the environment instead (OMNID_INSTANCES).
-_SPECIFIER = re.compile(r"%[%in]")
+# so neither may appear in a unit name; '/' would escape the directory. Also a worker group's name.
+UNIT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 # torch.distributed's env:// rendezvous (set by omnid for `torch_distributed` units).
 TORCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -230,7 +225,7 @@ class Unit:
     group: str | None = None
     limits: tuple[Rlimit, ...] = ()
     gpus: tuple[GpuRef, ...] = ()
-    numa: NumaMode | int = NumaMode.AUTO  # CPU affinity and memory policy at spawn (omnid.numa)
+    numa: NumaMode | int = NumaMode.AUTO  # CPU affinity and memory policy at spawn (omnid.process.numa)
     ready: Ready = Ready()
     ready_timeout: float = 600.0
     liveness: Liveness | None = None
@@ -262,7 +257,7 @@ class Unit:
     gpu_min_free_mib: int = 0
     memory_max: int | str | None = None  # cgroup memory.max (systemd MemoryMax=); "max" = no limit
     tasks_max: int | str | None = None  # cgroup pids.max (systemd TasksMax=)
-    sockets: tuple[ListenSocket, ...] = ()  # held by the daemon, passed from fd 3 (omnid.sockets)
+    sockets: tuple[ListenSocket, ...] = ()  # held by the daemon, passed from fd 3 (omnid.process.sockets)
     update: UpdatePolicy = UpdatePolicy.RESTART  # how a reload replaces its instances (omnid.core.reload)
     max_unavailable: int = 1  # instances a roll takes down at a time
 
@@ -306,7 +301,7 @@ class DaemonSettings:
     state_dir: Path | None = None
     health_listen: str | None = None  # "HOST:PORT", numeric host
     log_format: LogFormat | None = None
-    cgroup_root: Path | None = None  # omnid.cgroup: a writable cgroup v2 directory for the units
+    cgroup_root: Path | None = None  # omnid.process.cgroup: a writable cgroup v2 directory for the units
     drain_sec: float | None = None  # /health 503 "draining" this long before the stack's first stop signal
     stop_deadline: float | None = None  # the stack stop's bound (None: derived from the units' budgets)
     # [cluster]: a stack across hosts, an omnid.cluster.settings.ClusterSettings (not imported

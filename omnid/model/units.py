@@ -7,9 +7,10 @@ dependencies and orders them, and returns frozen objects: nothing downstream
 reads raw TOML. Every problem in every file is collected first and raised as
 one `StackInvalid`, so `omnid check` reports all of them at once.
 
-The work is split by responsibility: `omnid.unitmodel` (the frozen units and the
-stack), `omnid.unitvalues` (one value -> typed, with the maxima), `omnid.unitfile`
-(one file -> a template), `omnid.stackgraph` (expansion, dependencies, tiers,
+The work is split by responsibility: `omnid.model.unitmodel` (the frozen units and the
+stack), `omnid.model.keys` (the table of unit keys: reader, default, reload class, doc),
+`omnid.model.unitvalues` (one value -> typed, with the maxima), `omnid.model.unitfile`
+(one file -> a template), `omnid.model.stackgraph` (expansion, dependencies, tiers,
 worker groups). This module is the entry point and re-exports their public names.
 """
 
@@ -22,9 +23,9 @@ from pathlib import Path
 from types import MappingProxyType
 
 from omnid.base.ownership import check_directory, check_unit_path
-from omnid.model.stackgraph import _dependencies, _expand_unit, _instance_names, _socket_clashes, _tiers, _worker_groups
-from omnid.model.unitfile import _Template, _parse_settings, _parse_unit_file, _read_toml
-from omnid.model.unitmodel import DaemonSettings, SETTINGS_FILE, Stack, StackInvalid, Unit, UnitFileError, _NAME
+from omnid.model.stackgraph import declared_dependencies, expand_unit, instance_names, check_socket_clashes, start_tiers, worker_groups
+from omnid.model.unitfile import Template, parse_settings, parse_unit_file, read_toml
+from omnid.model.unitmodel import DaemonSettings, SETTINGS_FILE, Stack, StackInvalid, Unit, UnitFileError, UNIT_NAME
 from omnid.model.unitvalues import MAX_UNITS
 from omnid.model.unitmodel import (  # noqa: F401 - re-exported
     DEFAULT_TITLE, DaemonSettings, DrainHook, GpuRef, KillMode, ListenSocket, Liveness, Progress, LogFormat, NumaMode, RESERVED_ENV, RLIMITS, Ready, ReadyKind, RestartPolicy, Rlimit, SETTINGS_FILE, Stack, StackInvalid, TORCH_ENV, TorchDistributed, Unit, UnitFileError, UpdatePolicy,
@@ -33,8 +34,9 @@ from omnid.model.unitvalues import (  # noqa: F401 - re-exported
     InvalidValue, MAX_INSTANCES, MAX_RLIMIT, MAX_SECONDS, MAX_UNITS, parse_host_port, parse_signal,
 )
 from omnid.model.unitfile import (  # noqa: F401 - re-exported
-    GROUP_POLICY_KEYS, LIVENESS_KEYS, MAX_UNIT_FILE_BYTES, PROGRESS_KEYS, SETTINGS_KEYS, SOCKET_KEYS, TORCH_DISTRIBUTED_KEYS, UNIT_KEYS,
+    LIVENESS_KEYS, MAX_UNIT_FILE_BYTES, PROGRESS_KEYS, SETTINGS_KEYS, SOCKET_KEYS, TORCH_DISTRIBUTED_KEYS,
 )
+from omnid.model.keys import GROUP_POLICY_KEYS, UNIT_KEY_TABLE, UNIT_KEYS, OnChange, UnitKey  # noqa: F401 - re-exported
 
 
 # --------------------------------------------------------------------------- entry points
@@ -87,23 +89,23 @@ def _load(directory: Path, given: Mapping[str, bytes] | None = None) -> tuple[St
             return None, tuple(errors)
 
     settings = DaemonSettings()
-    templates: dict[str, _Template] = {}
+    templates: dict[str, Template] = {}
     broken: set[str] = set()  # units whose file could not be read at all
     for file in files:
-        raw = _read_toml(file, errors, sources, given is not None)
+        raw = read_toml(file, errors, sources, given is not None)
         if file.name == SETTINGS_FILE:
             if raw is not None:
-                settings = _parse_settings(file, raw, directory, errors)
+                settings = parse_settings(file, raw, directory, errors)
             continue
         name = file.name[: -len(".toml")]
-        if not _NAME.fullmatch(name):
+        if not UNIT_NAME.fullmatch(name):
             errors.append(UnitFileError(file, "", f'unit name "{name}" (the file name) is not valid; expected a '
                                         "letter or digit, then letters, digits, '_', '.' or '-' (no '@')"))  # fmt: skip
             continue
         if raw is None:
             broken.add(name)
             continue
-        templates[name] = _parse_unit_file(file, name, raw, errors)
+        templates[name] = parse_unit_file(file, name, raw, errors)
     if not templates and not broken:
         errors.append(UnitFileError(directory, "", "no unit files; expected at least one NAME.toml"))
 
@@ -116,16 +118,16 @@ def _load(directory: Path, given: Mapping[str, bytes] | None = None) -> tuple[St
     # unit -> {dependency: the key that declares it}, for cycle messages.
     edges: dict[str, dict[str, str]] = {}
     for template in templates.values():
-        for name, instance in _instance_names(template):
-            declared = _dependencies(template, name, instance, templates, broken, errors)
-            units[name] = _expand_unit(template, name, instance, directory, declared, errors)
+        for name, instance in instance_names(template):
+            declared = declared_dependencies(template, name, instance, templates, broken, errors)
+            units[name] = expand_unit(template, name, instance, directory, declared, errors)
             # `requires` last, so an edge declared by both keys is named by `requires`.
             edges[name] = {dep: key for key in ("after", "requires") for dep in declared[key]}
 
-    tiers, tier_of = _tiers(units, edges, errors)
-    groups = _worker_groups(units, errors)
+    tiers, tier_of = start_tiers(units, edges, errors)
+    groups = worker_groups(units, errors)
     _check_group_hosts(units, settings, errors)
-    _socket_clashes(units, errors)
+    check_socket_clashes(units, errors)
     required_by: dict[str, list[str]] = {n: [] for n in units}
     for unit in units.values():
         for dep in unit.requires:

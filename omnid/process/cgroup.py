@@ -2,8 +2,8 @@
 
 Where a writable cgroup v2 subtree exists (the *root*), every unit instance runs in
 its own cgroup `<root>/<escaped unit name>`, joined by the child between fork and exec
-(omnid.spawner), so no fork of the unit can escape it. The kill policy
-(omnid.termination) acts on it through `CgroupTarget`: the stop signal goes to the main
+(omnid.process.spawner), so no fork of the unit can escape it. The kill policy
+(omnid.process.termination) acts on it through `CgroupTarget`: the stop signal goes to the main
 process, its group and every member of the cgroup; escalation writes `cgroup.kill`; the
 unit is gone when `cgroup.events` says `populated 0` — observed as an inotify event on
 the asyncio loop, never by a sleep loop — and then the directory is removed.
@@ -748,7 +748,7 @@ def check_stack_keys(root: CgroupRoot | None, stack) -> None:
 
 def start(explicit: str | None, origin: str, stack, companions: tuple[int, ...] = ()) -> CgroupRoot | None:
     """At daemon start, before the spawner has spawned anything: discover the root (`explicit`,
-    as resolved by omnid.settings from `origin`: flag, env or omnid.toml; else delegation; the
+    as resolved by omnid.model.settings from `origin`: flag, env or omnid.toml; else delegation; the
     daemon and its `companions` move into its leaf), refuse unit keys it cannot honour
     (CgroupError naming unit and key), clean a previous daemon's cgroups."""
     source = {"flag": "--cgroup-root", "env": "OMNID_CGROUP_ROOT",

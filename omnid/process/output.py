@@ -194,7 +194,7 @@ class UnitOutput:
     def attached(self) -> bool:
         return any(p.fd >= 0 for p in self._pipes)
 
-    # -- across the daemon's re-exec (omnid.handover) ------------------------------
+    # -- across the daemon's re-exec (omnid.daemon.handover) ------------------------------
     def handover(self) -> dict:
         """What the next program of this daemon needs: the kept lines, the counters, and
         the open pipes (fd number, stream, the line they were in the middle of)."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import structlog
 
 from omnid.model.unitmodel import ListenSocket, Unit
-from omnid.model.unitvalues import parse_host_port
+from omnid.model.units import parse_host_port
 
 log = structlog.get_logger("omnid.process.sockets")
 

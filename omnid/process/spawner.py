@@ -52,7 +52,7 @@ the fork path even where the compiled one exists, and every forked child has a b
 fork to exec (SPAWN_EXEC_TIMEOUT_S): past it, the child is SIGKILLed and the spawn answered
 as failed, while the loop goes on serving the others.
 
-Run as: python -m omnid.spawner FD DAEMON_PID. The daemon runs it without site and the
+Run as: python -m omnid.process.spawner FD DAEMON_PID. The daemon runs it without site and the
 user's environment (python -I -S -c BOOT, omnid/process/spawnstart.py): the interpreter is up in a
 few ms and every fork copies a smaller process.
 """

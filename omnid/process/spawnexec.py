@@ -3,7 +3,7 @@
 `Launcher.start` takes one spawn request (its stdout/stderr and listening fds already split
 out by the spawner's loop, omnid/process/spawner.py) and starts the child by one of two paths:
 
-- compiled (omnid._spawnc, where it was built): a vfork child in C does the setup and the
+- compiled (omnid.process._spawnc, where it was built): a vfork child in C does the setup and the
   exec; when vfork returns the outcome is known, so the result goes out in this turn.
 - forked (no extension, OMNID_SPAWNER_PYTHON=1, or a cwd/program on a filesystem that may
   hang: omnid/process/spawnplan.py): a forked Python child does the same steps
@@ -154,7 +154,7 @@ class Launcher:
             self._start_forked(req, out_fd, errout_fd, listen)
 
     def _start_compiled(self, req: dict, out_fd: int, errout_fd: int, listen: list[int]) -> None:
-        """Through omnid._spawnc: when it returns the child has exec'd or failed."""
+        """Through omnid.process._spawnc: when it returns the child has exec'd or failed."""
         placement = req.get("placement")
         try:
             if isinstance(placement, dict) and placement.get("error"):

@@ -8,7 +8,7 @@ set_mempolicy) and the compiled call's (omnid._spawnc.spawn), users and groups r
 A spawn that cannot start is `Refused` here, before any fork.
 
 Nothing here forks or runs in a child; it runs in the spawner, so it stays light (the
-standard library and omnid.linux only, see omnid/base/linux.py).
+standard library and omnid.base.linux only, see omnid/base/linux.py).
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def _extra_paths() -> list[str]:
 
 
 def _start_time(pid: int) -> int:
-    """Field 22 of /proc/PID/stat (clock ticks since boot), as omnid.linux reads it."""
+    """Field 22 of /proc/PID/stat (clock ticks since boot), as omnid.base.linux reads it."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()

@@ -37,7 +37,7 @@ class SpawnRequest:
     # The program to execve, found in the unit's PATH by the daemon (argv[0] stays as the
     # unit wrote it); None: the child looks argv[0] up itself.
     path: str | None = None
-    # Listening sockets (omnid.sockets) and stored fds the child gets as fds 3, 4, ... with
+    # Listening sockets (omnid.process.sockets) and stored fds the child gets as fds 3, 4, ... with
     # LISTEN_PID set to its own pid; LISTEN_FDS and LISTEN_FDNAMES are in `env`.
     listen_fds: tuple[int, ...] = ()
 
@@ -103,7 +103,7 @@ class ProtocolError(ValueError):
 @dataclass(frozen=True)
 class Hello:
     pid: int
-    exec_path: str | None = None  # "compiled" (omnid._spawnc) or "python": how children are set up
+    exec_path: str | None = None  # "compiled" (omnid.process._spawnc) or "python": how children are set up
 
 
 @dataclass(frozen=True)

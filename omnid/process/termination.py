@@ -60,7 +60,7 @@ class StopRecord:
     to: str = ""
     rest: str = ""  # what the rest of the unit got once the main process had exited ("SIGKILL")
     main_seconds: float | None = None  # first signal -> the main process exited (to == "main")
-    ipc_removed: list[str] = field(default_factory=list)  # IPC objects of the unit removed (omnid.ipc)
+    ipc_removed: list[str] = field(default_factory=list)  # IPC objects of the unit removed (omnid.process.ipc)
 
     def to_json(self) -> dict:
         # Not dataclasses.asdict: it deep-copies, and a 256-unit summary is on the stop path.

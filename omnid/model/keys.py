@@ -1,0 +1,110 @@
+"""The keys of a unit file (omnid.unit(5)), each written once: its name, the man page
+subsection that documents it, its reader, its default, what a change of it does on
+`omnid reload`, and one line saying what it is.
+
+The parser (omnid.model.unitfile) reads every key through this table and accepts no other;
+the reload planner (omnid.core.reload) takes its supervision-only keys from it; the
+stack graph passes the parsed values through to the Unit by name; tests/test_unit_keys.py
+holds the table, the parser, the planner, the Unit fields and the man page together.
+
+A new key is one row here, a field of omnid.unitmodel.Unit of the same name, and its
+entry in man/omnid.unit.5; code in omnid.model.unitfile only when it is checked against
+another key. The rows are in the order the parser reads them, which is the order of
+its error messages for one file.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Any
+
+from omnid.model.unitmodel import DEFAULT_TITLE, KillMode, NumaMode, Ready, RestartPolicy, UpdatePolicy
+from omnid.model.unitvalues import (MAX_INSTANCES, argv, boolean, cgroup_amount, choice, drain, env, gpus, group_hosts,
+                              group_name, integer, limits, nonempty_string, numa, parse_signal, ready, seconds,
+                              seconds_at_most, string, string_list)
+
+__all__ = ["GROUP_POLICY_KEYS", "TEMPLATE_KEYS", "UNIT_KEY_BY_NAME", "UNIT_KEY_TABLE", "UNIT_KEYS", "OnChange",
+           "UnitKey"]
+
+
+class OnChange(StrEnum):
+    """What `omnid reload` does to a running unit instance when the key changed."""
+
+    RESTART = "restart"  # the key shapes the process: stopped and started again (or rolled)
+    SUPERVISION = "supervision"  # only how omnid watches it: applied in place, same pid
+    INSTANCES = "instances"  # instances are added or removed; the others are not touched
+
+
+@dataclass(frozen=True)
+class UnitKey:
+    name: str
+    section: str  # the omnid.unit(5) subsection (.SS) that documents it
+    # raw TOML value -> typed value, or InvalidValue; None: a table read by omnid.model.unitfile's own code
+    parse: Callable[[Any], Any] | None
+    default: Any  # when the key is absent (or invalid: the stack is then refused)
+    change: OnChange
+    doc: str
+
+
+RUN, ORDER, HEALTH, STOP = "What to run", "Order and dependencies", "Readiness and health", "Stopping"
+RESTARTING, SOCKETS, GROUPS = "Restarting", "Listening sockets", "Worker groups"
+R, S, I = OnChange.RESTART, OnChange.SUPERVISION, OnChange.INSTANCES
+
+UNIT_KEY_TABLE: tuple[UnitKey, ...] = (
+    UnitKey("exec", RUN, argv, ("true",), R, "the program and its arguments, run without a shell; required"),
+    UnitKey("description", RUN, string, "", S, "free text, shown in status"),
+    UnitKey("role", RUN, string, "", S, "what the unit is in the stack (serve, engine, worker, ...), shown in status"),
+    UnitKey("title", RUN, string, DEFAULT_TITLE, R, 'the process title of Python units; "" leaves it alone'),
+    UnitKey("cwd", RUN, nonempty_string, None, R, "the working directory, relative to the stack directory"),
+    UnitKey("env", RUN, env, MappingProxyType({}), R, "extra environment variables, %i and %n expanded"),
+    UnitKey("user", RUN, nonempty_string, None, R, "the user to run as, when the daemon runs as root"),
+    UnitKey("group", RUN, nonempty_string, None, R, "the group to run as, when the daemon runs as root"),
+    UnitKey("limits", RUN, limits, (), R, "resource limits, one key per rlimit (nofile, memlock, ...)"),
+    UnitKey("ready", HEALTH, ready, Ready(), S, 'when the unit is ready: "started", "notify", { http } or { tcp }'),
+    UnitKey("ready_timeout", HEALTH, seconds(zero_ok=False), 600.0, S, "seconds to become ready before it fails"),
+    UnitKey("watchdog_sec", HEALTH, seconds(zero_ok=True), 0.0, S, "the WATCHDOG=1 deadline (notify units); 0 = off"),
+    UnitKey("stop_signal", STOP, parse_signal, signal.SIGTERM, S, "the signal that asks the unit to stop"),
+    UnitKey("stop_timeout", STOP, seconds(zero_ok=False), 10.0, S, "seconds after stop_signal before SIGKILL"),
+    UnitKey("kill_timeout", STOP, seconds(zero_ok=False), 10.0, S, "seconds after SIGKILL before it gives up"),
+    UnitKey("capture_timeout", STOP, seconds_at_most(300.0), 3.0, S, "seconds the hang capture may take; 0 = none"),
+    UnitKey("drain", STOP, drain, None, S, "how a planned stop asks the unit to stop taking work: http or signal"),
+    UnitKey("drain_timeout", STOP, seconds(zero_ok=False), 30.0, S, "the longest wait for a drain"),
+    UnitKey("restart", RESTARTING, choice(RestartPolicy), RestartPolicy.NO, S, "no, on-failure or always"),
+    UnitKey("restart_sec", RESTARTING, seconds(zero_ok=True), 1.0, S, "the first wait before a restart; 0 = at once"),
+    UnitKey("restart_max_sec", RESTARTING, seconds(zero_ok=True), 60.0, S, "the longest wait between restarts"),
+    UnitKey("start_limit_burst", RESTARTING, integer(1), 5, S, "more starts than this within the interval: failed"),
+    UnitKey("start_limit_interval", RESTARTING, seconds(zero_ok=False), 60.0, S, "the start limit's window, seconds"),
+    UnitKey("gpu_min_free_mib", RUN, integer(0), 0, S, "free memory on a GPU of the unit below this: degraded"),
+    UnitKey("worker_group", GROUPS, group_name, None, R, "units that fail, stop and restart together"),
+    UnitKey("group_hosts", GROUPS, group_hosts, (), R, "the hosts a worker group spans, the leading host first"),
+    UnitKey("torch_distributed", GROUPS, None, None, R, "torch.distributed env:// rendezvous for a worker group"),
+    UnitKey("memory_max", RUN, cgroup_amount(bytes_=True), None, R, "the unit cgroup's memory.max"),
+    UnitKey("tasks_max", RUN, cgroup_amount(bytes_=False), None, R, "the unit cgroup's pids.max"),
+    UnitKey("liveness", HEALTH, None, None, S, "a periodic http or exec probe while active"),
+    UnitKey("progress", HEALTH, None, None, S, "a forward-progress watchdog on a Prometheus endpoint"),
+    UnitKey("ready_interval", HEALTH, seconds(zero_ok=True), 5.0, S, "an http/tcp ready probe's period while active"),
+    UnitKey("kill_mode", STOP, choice(KillMode), KillMode.CONTROL_GROUP, S, "who gets stop_signal, as systemd's"),
+    UnitKey("leftover_timeout", STOP, seconds(zero_ok=True), 3.0, S, "seconds the leftovers of an exited unit get"),
+    UnitKey("private_tmp", STOP, boolean, True, R, "TMPDIR is a directory of the instance's own"),
+    UnitKey("remove_ipc", STOP, boolean, True, S, "the unit's IPC objects are removed when it is gone"),
+    UnitKey("numa", RUN, numa, NumaMode.AUTO, R, 'CPU and memory placement: "auto", "off" or a node number'),
+    UnitKey("sockets", SOCKETS, None, (), R, "listening sockets held by the daemon, passed from fd 3"),
+    UnitKey("update", RESTARTING, choice(UpdatePolicy), UpdatePolicy.RESTART, S, "how a reload replaces instances"),
+    UnitKey("max_unavailable", RESTARTING, integer(1, MAX_INSTANCES), 1, S, "instances a roll takes down at a time"),
+    # The template's own keys: read after the keys above (omnid.model.unitfile).
+    UnitKey("instances", RUN, integer(1, MAX_INSTANCES), 1, I, "how many units the file defines (NAME@0, ...)"),
+    UnitKey("after", ORDER, string_list, (), S, "units that must be ready before this one starts"),
+    UnitKey("requires", ORDER, string_list, (), S, "as after, and this unit stops when one of them fails"),
+    UnitKey("gpus", RUN, gpus, None, R, 'the GPUs the unit uses (indexes, UUIDs, or "%i"); CUDA_VISIBLE_DEVICES'),
+)  # fmt: skip
+
+UNIT_KEYS = tuple(k.name for k in UNIT_KEY_TABLE)
+UNIT_KEY_BY_NAME: Mapping[str, UnitKey] = MappingProxyType({k.name: k for k in UNIT_KEY_TABLE})
+# Read by the parser after the cross-key checks; stored on the template, not among its values.
+TEMPLATE_KEYS = ("instances", "after", "requires", "gpus")
+# The restart policy of a worker group is one policy: every member must declare the same.
+GROUP_POLICY_KEYS = ("restart", "restart_sec", "restart_max_sec", "start_limit_burst", "start_limit_interval")

@@ -21,14 +21,14 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("omnid.gpu")
 
-_MIB = 1024 * 1024
+MIB = 1024 * 1024
 # Inode number of the initial PID namespace (PROC_PID_INIT_INO in the kernel).
 _INIT_PID_NS_INODE = 0xEFFFFFFC
 
 _said: set[str] = set()
 
 
-def _say_once(key: str, event: str, **fields: Any) -> None:
+def say_once(key: str, event: str, **fields: Any) -> None:
     """Log a warning the first time `key` is seen: GPU trouble is loud once, not per poll."""
     if key in _said:
         return
@@ -169,7 +169,7 @@ def in_initial_pid_namespace() -> bool:
     try:
         return os.stat("/proc/self/ns/pid").st_ino == _INIT_PID_NS_INODE
     except OSError as err:
-        _say_once("pidns", "gpu: cannot read /proc/self/ns/pid; assuming host PID namespace",
+        say_once("pidns", "gpu: cannot read /proc/self/ns/pid; assuming host PID namespace",
                   error=str(err))
         return True
 
@@ -222,7 +222,7 @@ def memory_held_by(backend: GpuBackend, pids: Iterable[int], items: Iterable[Gpu
     if not wanted or not backend.available:
         return []
     if not backend.pids_local:
-        _say_once("held-pidns", "gpu: NVML pids are host pids; cannot match unit pids")
+        say_once("held-pidns", "gpu: NVML pids are host pids; cannot match unit pids")
         return []
     scope = None if items is None else list(items)
     return [p for p in _processes(backend, scope) if p.pid in wanted and (not scope or any(p.on(i) for i in scope))]
@@ -288,7 +288,7 @@ async def wait_released(backend: GpuBackend, pids: Iterable[int], timeout: float
                 asyncio.to_thread(memory_held_by, backend, wanted, scope),
                 timeout=max(deadline - loop.time(), interval))
         except (TimeoutError, GpuUnreadable) as exc:
-            _say_once("wait-released-hung", "gpu: GPU read did not answer before the deadline; "
+            say_once("wait-released-hung", "gpu: GPU read did not answer before the deadline; "
                       "cannot tell whether the memory is released", timeout_s=timeout, error=str(exc))
             return None, leftovers
         now = loop.time()

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnid.gpu.backend import _MIB, GpuInfo, GpuProcess, MigInfo, _say_once, in_initial_pid_namespace, log
+from omnid.gpu.backend import MIB, GpuInfo, GpuProcess, MigInfo, in_initial_pid_namespace, log, say_once
 from omnid.gpu.bounded import DEFAULT_TIMEOUT_S, BoundedCaller, GpuUnreadable
 from omnid.gpu.nvml_xid import register as register_xid_events, wait_event as wait_xid_event
 from omnid.gpu.events import XidEvent, XidEventThread
@@ -35,7 +35,7 @@ def nvml_timeout() -> float:
             return value
     except ValueError:
         pass
-    _say_once("nvml-timeout-env", f"gpu: ignoring {NVML_TIMEOUT_ENV}={raw[:40]!r}: expected seconds > 0",
+    say_once("nvml-timeout-env", f"gpu: ignoring {NVML_TIMEOUT_ENV}={raw[:40]!r}: expected seconds > 0",
               default=DEFAULT_TIMEOUT_S)
     return DEFAULT_TIMEOUT_S
 
@@ -113,7 +113,7 @@ class NvmlBackend:
             return
         self._ready = True
         if not self.pids_local:
-            _say_once("nvml-pidns",
+            say_once("nvml-pidns",
                       "gpu: omnid runs in a child PID namespace; NVML reports host pids, "
                       "so GPU memory cannot be matched to unit pids (run with the host "
                       "PID namespace for per-pid GPU residue checks)")
@@ -187,7 +187,7 @@ class NvmlBackend:
                 self._event_set = None
             self._nv("nvmlShutdown", None, self._nvml.nvmlShutdown)
         except self._nvml.NVMLError as err:
-            _say_once("nvml-shutdown", "gpu: nvmlShutdown failed", error=str(err))
+            say_once("nvml-shutdown", "gpu: nvmlShutdown failed", error=str(err))
         self._gpus = []
 
     # ---------------------------------------------------------------- topology (MIG, UUIDs)
@@ -201,7 +201,7 @@ class NvmlBackend:
                 g.uuid = _text(self._nv("nvmlDeviceGetUUID", g.index, nvml.nvmlDeviceGetUUID, g.handle))
                 by_uuid[g.uuid] = g.index
             except nvml.NVMLError as err:
-                _say_once(f"nvml-uuid-{g.index}-{err}", "gpu: cannot read a GPU's UUID", gpu=g.index, error=str(err))
+                say_once(f"nvml-uuid-{g.index}-{err}", "gpu: cannot read a GPU's UUID", gpu=g.index, error=str(err))
             g.migs = self._read_migs(g)
             for m in g.migs:
                 by_uuid[m.uuid] = g.index
@@ -220,7 +220,7 @@ class NvmlBackend:
         try:
             count = self._nv("nvmlDeviceGetMaxMigDeviceCount", g.index, nvml.nvmlDeviceGetMaxMigDeviceCount, g.handle)
         except nvml.NVMLError as err:
-            _say_once(f"nvml-mig-{g.index}-{err}", "gpu: MIG mode on but its devices cannot be listed",
+            say_once(f"nvml-mig-{g.index}-{err}", "gpu: MIG mode on but its devices cannot be listed",
                       gpu=g.index, error=str(err))
             return []
         for j in range(count):
@@ -253,7 +253,7 @@ class NvmlBackend:
         try:
             handle = self._nv("nvmlDeviceGetHandleByUUID", None, nvml.nvmlDeviceGetHandleByUUID, uuid)
         except nvml.NVMLError as err:
-            _say_once(f"nvml-no-uuid-{uuid}", "gpu: no GPU or MIG device with this UUID on this host", uuid=uuid,
+            say_once(f"nvml-no-uuid-{uuid}", "gpu: no GPU or MIG device with this UUID on this host", uuid=uuid,
                       error=str(err))
             return
         self._refresh_topology()  # a MIG device made since the last read
@@ -265,7 +265,7 @@ class NvmlBackend:
                                   nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle, handle)
             index = int(self._nv("nvmlDeviceGetIndex", None, nvml.nvmlDeviceGetIndex, handle))
         except nvml.NVMLError as err:
-            _say_once(f"nvml-uuid-index-{uuid}", "gpu: cannot tell which GPU a UUID is on", uuid=uuid, error=str(err))
+            say_once(f"nvml-uuid-index-{uuid}", "gpu: cannot tell which GPU a UUID is on", uuid=uuid, error=str(err))
             return
         self._by_uuid = {**self._by_uuid, uuid: index}
 
@@ -285,7 +285,7 @@ class NvmlBackend:
                 name = _text(self._nv("nvmlDeviceGetName", g.index, nvml.nvmlDeviceGetName, g.handle))
                 memory = self._nv("nvmlDeviceGetMemoryInfo", g.index, nvml.nvmlDeviceGetMemoryInfo, g.handle)
             except nvml.NVMLError as err:
-                _say_once(f"nvml-gpu-{g.index}-{err}", "gpu: cannot read GPU, skipping it",
+                say_once(f"nvml-gpu-{g.index}-{err}", "gpu: cannot read GPU, skipping it",
                           gpu=g.index, error=str(err))
                 continue
             migs = []
@@ -293,14 +293,14 @@ class NvmlBackend:
                 try:
                     mm = self._nv("nvmlDeviceGetMemoryInfo", g.index, nvml.nvmlDeviceGetMemoryInfo, m.handle)
                 except nvml.NVMLError as err:
-                    _say_once(f"nvml-mig-{m.uuid}-{err}", "gpu: cannot read a MIG device", gpu=g.index, mig=m.uuid,
+                    say_once(f"nvml-mig-{m.uuid}-{err}", "gpu: cannot read a MIG device", gpu=g.index, mig=m.uuid,
                               error=str(err))
                     continue
-                migs.append(MigInfo(uuid=m.uuid, gpu=g.index, index=m.index, total_mib=mm.total / _MIB,
-                                    free_mib=mm.free / _MIB, used_mib=mm.used / _MIB, gpu_instance=m.gi,
+                migs.append(MigInfo(uuid=m.uuid, gpu=g.index, index=m.index, total_mib=mm.total / MIB,
+                                    free_mib=mm.free / MIB, used_mib=mm.used / MIB, gpu_instance=m.gi,
                                     compute_instance=m.ci))
-            found.append(GpuInfo(index=g.index, name=name, total_mib=memory.total / _MIB,
-                                 free_mib=memory.free / _MIB, used_mib=memory.used / _MIB, uuid=g.uuid,
+            found.append(GpuInfo(index=g.index, name=name, total_mib=memory.total / MIB,
+                                 free_mib=memory.free / MIB, used_mib=memory.used / MIB, uuid=g.uuid,
                                  migs=tuple(migs)))
         return found
 
@@ -322,7 +322,7 @@ class NvmlBackend:
                 for kind in ("compute", "graphics", "mps"):
                     for entry in self._list(kind, g.index, handle):
                         used = entry.usedGpuMemory
-                        mib = 0.0 if used is None else used / _MIB
+                        mib = 0.0 if used is None else used / MIB
                         # a process can be in several lists of one device with the same memory
                         key = (int(entry.pid), g.index, mig)
                         held[key] = max(held.get(key, 0.0), mib)
@@ -342,12 +342,12 @@ class NvmlBackend:
                     continue
                 if err.value == nvml.NVML_ERROR_NOT_SUPPORTED and kind != "compute":
                     return []  # graphics / MPS lists do not exist on many datacenter GPUs
-                _say_once(f"nvml-{kind}-{index}-{err}",
+                say_once(f"nvml-{kind}-{index}-{err}",
                           f"gpu: cannot list {kind} processes, skipping them",
                           gpu=index, error=str(err))
                 return []
         if kind == "compute":
-            _say_once("nvml-compute-missing",
+            say_once("nvml-compute-missing",
                       "gpu: this NVML has no per-process listing; GPU residue cannot be checked")
         return []
 
@@ -365,12 +365,12 @@ class NvmlBackend:
                                                        nvml.nvmlDeviceGetRemappedRows, g.handle)
             except nvml.NVMLError as err:
                 if err.value not in (nvml.NVML_ERROR_NOT_SUPPORTED, nvml.NVML_ERROR_FUNCTION_NOT_FOUND):
-                    _say_once(f"nvml-remap-{g.index}-{err}", "gpu: cannot read remapped rows", gpu=g.index,
+                    say_once(f"nvml-remap-{g.index}-{err}", "gpu: cannot read remapped rows", gpu=g.index,
                               error=str(err))
                     continue
                 found = self._retired_pages(g)  # before Ampere: page retirement instead of row remapping
             else:
-                found = _remap_condition(corr, unc, bool(pending), bool(failure))
+                found = remap_condition(corr, unc, bool(pending), bool(failure))
             if found is not None:
                 out[g.index] = found
         return out
@@ -428,7 +428,9 @@ class NvmlBackend:
             self._events = None
 
 
-def _remap_condition(corr: int, unc: int, pending: bool, failure: bool) -> tuple[str, str] | None:
+def remap_condition(corr: int, unc: int, pending: bool, failure: bool) -> tuple[str, str] | None:
+    """A GPU's row remapping counts (correctable, uncorrectable, pending, failed) -> (condition,
+    why), or None when there is nothing to say (the fake backend reads its rows through it too)."""
     if failure:
         return "degraded", f"row remapping failed ({unc} rows remapped for uncorrectable errors): the GPU needs service"
     if pending:

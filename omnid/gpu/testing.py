@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omnid.gpu.backend import GpuInfo, GpuProcess, MigInfo, _say_once
+from omnid.gpu.backend import GpuInfo, GpuProcess, MigInfo, say_once
 from omnid.gpu.bounded import BoundedCaller, GpuUnreadable
 from omnid.gpu.events import XidEvent, XidEventThread
 from omnid.gpu.faults import GpuCondition, GpuFaults, read_conditions, stuck_threads
 from omnid.gpu.items import GpuItem, is_mig
-from omnid.gpu.nvml import _remap_condition, nvml_timeout
+from omnid.gpu.nvml import nvml_timeout, remap_condition
 
 FAKE_GPU_ENV = "OMNID_FAKE_GPU"
 HANG_POLL_S = 0.02
@@ -151,7 +151,7 @@ class FakeGpuBackend:
         for g in state.gpus:
             self._touch("nvmlDeviceGetRemappedRows", g.index)
             rows = state.remapped.get(g.index)
-            found = _remap_condition(*rows) if rows else None
+            found = remap_condition(*rows) if rows else None
             if found:
                 out[g.index] = found
         return out
@@ -328,7 +328,7 @@ class _FakeState:
 
     @classmethod
     def unavailable(cls, reason: str) -> _FakeState:
-        _say_once(f"fake-{reason}", "gpu: fake GPU backend unavailable", reason=reason)
+        say_once(f"fake-{reason}", "gpu: fake GPU backend unavailable", reason=reason)
         return cls(False, reason, True, [], [])
 
 

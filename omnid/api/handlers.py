@@ -1,28 +1,63 @@
 """The control commands (omnid-control(7)), one `handle_<cmd>` method each, dispatched by
 name. Each checks its arguments (a bad one is a `bad_request` naming the argument),
-then asks the supervisor or the daemon; none of them ever stops the daemon."""
+then asks the supervisor or the daemon; none of them ever stops the daemon. A refusal
+of the core (omnid.core.errors.RequestRefused) is answered here as a control error with
+the same code and message: the core knows nothing of the control socket."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import os
 import signal
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from omnid.process import cgroup as cgroup_mod
 from omnid.forensics import capture as forensics
 from omnid.base import linux
 from omnid.process import output
 from omnid import gpu as gpu_mod
-from omnid.api.control import ControlError
+from omnid.api.control import ControlError, Handler
+from omnid.core.errors import RequestRefused
 from omnid.core.supervisor import UnitNotFound
 from omnid.process.termination import StopRecord
-from omnid.core.reload import ReloadError, plan
+from omnid.core.reload import plan
 from omnid.model.units import InvalidValue, StackInvalid, check_stack, load_stack, parse_signal
 
 CHECK_TIMEOUT_S = 30.0  # the `check` request (omnid-control(7))
 MAX_TIMEOUT_S = 86400.0  # a control request's "timeout": at most a day (omnid-control(7))
+MAX_LAST = 100  # the `dump` request's "last": captures per unit (omnid-control(7))
+
+
+class NewProgram(Protocol):
+    """What `reexec` reports of the program the daemon will become (omnid.handover.ProgramCheck)."""
+
+    @property
+    def argv(self) -> tuple[str, ...]: ...
+
+    @property
+    def version(self) -> str: ...
+
+
+# The daemon's check of that program: it raises ControlError("reexec_refused", why) when the
+# program does not start. Handed in by the daemon, which owns the re-exec (this module is below it).
+CheckNewProgram = Callable[[], Awaitable[NewProgram]]
+
+
+def answering(handler: Handler) -> Handler:
+    """The handler, with a refusal of the core answered as the control error of the same code
+    and message (the reply a client sees is the core's own words)."""
+
+    @functools.wraps(handler)
+    async def answered(args: dict) -> Any:
+        try:
+            return await handler(args)
+        except RequestRefused as exc:
+            raise ControlError(exc.code, exc.message) from None
+
+    return answered
 
 
 def units_arg(args: dict) -> list[str] | None:
@@ -53,8 +88,9 @@ def unit_arg(args: dict, cmd: str) -> str:
 
 
 class ControlHandlers:
-    def __init__(self, daemon: Any) -> None:
+    def __init__(self, daemon: Any, check_new_program: CheckNewProgram) -> None:
         self.d = daemon  # omnid.daemon.Daemon (which imports this module)
+        self.check_new_program = check_new_program
 
     @property
     def sup(self):  # noqa: ANN201 - the supervisor, once the daemon made it
@@ -63,7 +99,8 @@ class ControlHandlers:
 
     def table(self) -> dict:
         """{cmd: coroutine function} for the control server."""
-        return {name[len("handle_"):]: getattr(self, name) for name in dir(self) if name.startswith("handle_")}
+        return {name[len("handle_"):]: answering(getattr(self, name)) for name in dir(self)
+                if name.startswith("handle_")}
 
     def known(self, names: list[str] | None) -> None:
         if names:
@@ -256,8 +293,28 @@ class ControlHandlers:
         return {"ok": not errors, "units_dir": directory, "errors": [str(e) for e in errors]}
 
     async def handle_dump(self, args: dict) -> dict:
-        """Hang forensics (omnid.forensics): the kept captures of a unit, or one taken now."""
-        return await forensics.handle_dump(self.sup, self.d.captures, args)
+        """Hang forensics (omnid.forensics): {"unit": U, "last": N, "now": bool} -> {"captures": [...]},
+        the kept captures of a unit, or one taken now, each {"unit", "text", "capture"} (the JSON
+        form), oldest first per unit."""
+        sup = self.sup
+        unit = unit_arg(args, "dump")
+        last = args.get("last", 1)
+        if isinstance(last, bool) or not isinstance(last, int) or not 1 <= last <= MAX_LAST:
+            raise ControlError("bad_request", f"\"last\" must be a whole number from 1 to {MAX_LAST}, "
+                                              f"got {str(last)[:40]!r}")
+        now = args.get("now", False)
+        if not isinstance(now, bool):
+            raise ControlError("bad_request", f"\"now\" must be true or false, got {str(now)[:40]!r}")
+        try:
+            names = sup.expand([unit], whole_groups=False)
+        except KeyError:
+            raise ControlError("unknown_unit", f"no unit named {unit[:100]!r}; units: "
+                                               f"{', '.join(list(sup.units)[:20])}") from None
+        running = [n for n in names if sup.units[n].proc is not None] if now else []
+        if now and not running:
+            raise ControlError("not_running", f"unit {unit!r} has no running process to capture "
+                                              f"(`omnid dump {unit}` shows the captures omnid kept)")
+        return {"captures": await forensics.dump(sup, self.d.captures, names, last, capture_now=running)}
 
     async def handle_wait(self, args: dict) -> dict:
         """Wait (up to "timeout") for the daemon's first start of the stack to settle, without
@@ -306,9 +363,9 @@ class ControlHandlers:
         out = {**p.to_json(), "dry_run": dry_run}
         if dry_run:
             return out
-        try:
+        try:  # SIGHUP calls this method directly, not through table(): the refusal is answered here
             units = await self.sup.reloader.apply(new, p, timeout)
-        except ReloadError as exc:
+        except RequestRefused as exc:  # a reload refused, or its stop overtaken by a request
             raise ControlError(exc.code, exc.message) from None
         d.stack = new
         units, why = units
@@ -322,7 +379,6 @@ class ControlHandlers:
         """Replace the daemon's program with the omnid installed now, same pid, every unit kept
         (omnid(8), RE-EXEC). Answers once the new program is known to start; the handover
         follows right after the answer."""
-        from omnid.daemon import handover
         from omnid.version import version
 
         d = self.d
@@ -332,10 +388,7 @@ class ControlHandlers:
             raise ControlError("busy", "a re-exec is already under way")
         if self.sup.crosshost is not None and (why := self.sup.crosshost.exec_refusal()) is not None:
             raise ControlError("reexec_refused", f"{why}; nothing changed")
-        try:
-            check = await handover.check_new_program()
-        except handover.HandoverError as exc:
-            raise ControlError("reexec_refused", str(exc)) from None
+        check = await self.check_new_program()  # ControlError("reexec_refused") when it does not start
         d.start_reexec(check)
         return {"pid": os.getpid(), "old_version": version(), "new_version": check.version,
                 "reexecs": d.reexecs, "program_since": d.program_since, "program": " ".join(check.argv)}

@@ -19,7 +19,7 @@ import signal
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -27,7 +27,7 @@ from omnid.base import linux
 from omnid.process.cgroup import CgroupTarget
 from omnid.core import groups, policy, spawning
 from omnid.core.cleanup import CannotPrepare
-from omnid.core.lifecycle import (Action, ArmTimer, Capture, CountStart, DecideRestart, Drain, Event, Phase,
+from omnid.core.lifecycle import (Action, ArmTimer, Capture, CountStart, Ctx, DecideRestart, Drain, Event, Phase,
                                   Publish, RecordFailure, Release, ReportUnkillable, Signal, Spawn, StartMonitors,
                                   UnitState, WaitRelease, WatchGone, WatchReady)
 from omnid.core.runtime import UnitRuntime
@@ -37,6 +37,12 @@ from omnid.process.spawnclient import SpawnError
 from omnid.base.tasks import unit_task
 from omnid.process.termination import ProcessGroupTarget, Target, Termination, terminate
 from omnid.core.centre import Centre
+
+if TYPE_CHECKING:  # set by the supervisor and the daemon after the executor is made
+    from omnid.forensics.store import CaptureStore
+    from omnid.core.cleanup import UnitCleanup
+    from omnid.core.drain import Drains
+    from omnid.core.faults import Faults
 
 
 log = structlog.get_logger("omnid.supervisor")
@@ -51,16 +57,6 @@ EXIT_STATUS_WAIT_S = 2.0  # pidfd readable -> the spawner's exit report; then "s
 # (omnid.spawner.SPAWN_EXEC_TIMEOUT_S, 10 s) and a margin. Past it the unit's spawn fails; a late
 # answer is a process no unit owns, killed by the spawner (SpawnerClient._kill_unowned).
 SPAWN_REPLY_TIMEOUT_S = 15.0
-
-
-@dataclass(frozen=True)
-class Ctx:
-    """What a handler may need of the event being carried out."""
-
-    prev_state: UnitState  # the state before this step
-    detail: str = ""  # what the event's reporter said (a failure's description)
-    event: Event | None = None  # the event being carried out
-    pid: int | None = None  # the main process the step concerns (read before Release)
 
 
 @dataclass
@@ -92,10 +88,10 @@ class Executor:
             DecideRestart: self._decide_restart, ReportUnkillable: self._report_unkillable,
             WaitRelease: self._wait_release, Release: self._release, Publish: self._publish,
         }
-        self.captures = None  # omnid.capturestore.CaptureStore, when the daemon keeps captures
-        self.drains = None  # omnid.core.drain.Drains
-        self.faults = None  # omnid.core.faults.Faults: the test-only injection hook, never set in production
-        self.cleanup = None  # omnid.core.cleanup.UnitCleanup: private tmp and IPC residue, when the daemon runs
+        self.captures: CaptureStore | None = None  # when the daemon keeps captures
+        self.drains: Drains | None = None
+        self.faults: Faults | None = None  # the test-only injection hook, never set in production
+        self.cleanup: UnitCleanup | None = None  # private tmp and IPC residue, when the daemon runs
 
     def of(self, rt: UnitRuntime) -> Works:
         w = self.works.get(rt.name)
@@ -147,8 +143,10 @@ class Executor:
         if old_state is S.ACTIVE and rt.state is not S.ACTIVE:
             self.sup.monitors.stop(rt)
 
-    def _task(self, rt: UnitRuntime, kind: str, coro: Coroutine[Any, Any, None]) -> None:
-        """A task working for rt: a crash is that unit's INTERNAL_ERROR (omnid.base.tasks)."""
+    def run_for(self, rt: UnitRuntime, kind: str, coro: Coroutine[Any, Any, None]) -> None:
+        """Run coro as rt's task of this kind (the monitors' probes, the executor's own waits):
+        one per kind, a newer one cancels the older; it ends with rt's position, or with its
+        state for the kinds in _STATE_TASKS; a crash is rt's INTERNAL_ERROR (omnid.base.tasks)."""
         epoch = rt.epoch
 
         def crashed(exc: BaseException) -> None:
@@ -173,7 +171,7 @@ class Executor:
     def _spawn(self, rt: UnitRuntime, a: Spawn, ctx: Ctx) -> None:
         w = self.of(rt)
         w.term = None
-        self._task(rt, "spawn", self._spawn_task(rt, w.start_reason))
+        self.run_for(rt, "spawn", self._spawn_task(rt, w.start_reason))
 
     async def _spawn_task(self, rt: UnitRuntime, reason: str) -> None:
         sup, spec = self.sup, rt.spec
@@ -240,7 +238,7 @@ class Executor:
             self.sup.cgroups.release(rt.name)  # rmdir once nothing runs in it
 
     def _watch_ready(self, rt: UnitRuntime, a: WatchReady, ctx: Ctx) -> None:
-        self._task(rt, "ready", self.sup.monitors.readiness(rt))
+        self.run_for(rt, "ready", self.sup.monitors.readiness(rt))
 
     def _start_monitors(self, rt: UnitRuntime, a: StartMonitors, ctx: Ctx) -> None:
         self.sup.monitors.start(rt)
@@ -316,7 +314,7 @@ class Executor:
                                                        TIMER_EVENTS[a.which], detail)
 
     def _watch_gone(self, rt: UnitRuntime, a: WatchGone, ctx: Ctx) -> None:
-        self._task(rt, "gone", self._gone_task(rt, self._termination(rt, ctx)))
+        self.run_for(rt, "gone", self._gone_task(rt, self._termination(rt, ctx)))
 
     async def _gone_task(self, rt: UnitRuntime, term: Termination) -> None:
         await term.until_gone()  # bounded by the stop_timeout / kill_timeout timers
@@ -338,9 +336,11 @@ class Executor:
 
         members = forensics.member_list(rt.proc.pid, rt.proc.start_time, term.target.members())
         why = ctx.detail or rt.stop_reason or "stop_timeout is near"
-        self._task(rt, "capture" if a.feed else "capture-beside", self._capture_task(rt, epoch, members, why, a.feed))
+        self.run_for(rt, "capture" if a.feed else "capture-beside",
+                     self._capture_task(rt, epoch, members, why, a.feed, self.captures))
 
-    async def _capture_task(self, rt: UnitRuntime, epoch: int, members: list, why: str, feed: bool) -> None:
+    async def _capture_task(self, rt: UnitRuntime, epoch: int, members: list, why: str, feed: bool,
+                            store: CaptureStore) -> None:
         """The stacks of a hung unit, bounded by capture_timeout: fed back as CAPTURED (the stop
         signal goes out at once), then kept in the state directory (omnid dump)."""
         from omnid.forensics import capture as forensics
@@ -352,17 +352,17 @@ class Executor:
             rt.stop_reason = f"{rt.stop_reason}; stacks: {cap.summary}"
             rt.reason = rt.stop_reason
             self.sup.feed(rt, E.CAPTURED, cap.summary)
-        await self.captures.save_async(cap)
+        await store.save_async(cap)
 
     def _drain(self, rt: UnitRuntime, a: Drain, ctx: Ctx) -> None:
         if self.drains is None:
             self.sup.feed(rt, E.DRAINED, "no drain hook")
             return
         epoch = rt.epoch
-        self._task(rt, "drain", self._drain_task(rt, epoch))
+        self.run_for(rt, "drain", self._drain_task(rt, epoch, self.drains))
 
-    async def _drain_task(self, rt: UnitRuntime, epoch: int) -> None:
-        detail = await self.drains.drain(rt)
+    async def _drain_task(self, rt: UnitRuntime, epoch: int, drains: Drains) -> None:
+        detail = await drains.drain(rt)
         log.info("drain over", unit=rt.name, how=detail)
         self._feed_if_current(rt, epoch, E.DRAINED, detail)
 
@@ -403,7 +403,7 @@ class Executor:
         w = self.of(rt)
         pids, w.dead_pids = w.dead_pids, []
         epoch = rt.epoch
-        self._task(rt, "release", self._release_task(rt, epoch, pids))
+        self.run_for(rt, "release", self._release_task(rt, epoch, pids))
 
     async def _release_task(self, rt: UnitRuntime, epoch: int, pids: list[int]) -> None:
         ms, held = await self.sup.gpu_release(rt.name, pids, rt.spec.kill_timeout)

@@ -184,6 +184,17 @@ ACTION_TYPES: tuple[type, ...] = (CountStart, Spawn, Signal, ArmTimer, WatchGone
 
 
 @dataclass(frozen=True)
+class Ctx:
+    """What a handler may need of the event being carried out (the executor's `run` gets it
+    with the actions)."""
+
+    prev_state: UnitState  # the state before this step
+    detail: str = ""  # what the event's reporter said (a failure's description)
+    event: Event | None = None  # the event being carried out
+    pid: int | None = None  # the main process the step concerns (read before Release)
+
+
+@dataclass(frozen=True)
 class View:
     """What step needs to know of a unit besides its position."""
 
@@ -529,7 +540,8 @@ def _views(state: UnitState, phase: Phase) -> list[View]:
     out = []
     for cause in (None, *Cause):
         for flags in range(16):
-            kw = dict(leftovers=bool(flags & 1), gpu=bool(flags & 2), capture=bool(flags & 4), drain=bool(flags & 8))
+            kw: dict[str, Any] = dict(leftovers=bool(flags & 1), gpu=bool(flags & 2), capture=bool(flags & 4),
+                                      drain=bool(flags & 8))
             out.append(View("?", state, phase, cause=cause, **kw))
             out.append(View("?", state, phase, cause=cause, shutting_down=True, **kw))
         for mode in KillMode:

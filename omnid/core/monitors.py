@@ -102,11 +102,11 @@ class Monitors:
     def _start_probes(self, rt: UnitRuntime, ready_first: float | None = None) -> None:
         spec, ex = rt.spec, self.sup.executor
         if spec.liveness is not None:
-            ex._task(rt, "liveness", self._liveness(rt))
+            ex.run_for(rt, "liveness", self._liveness(rt))
         if spec.progress is not None:
-            ex._task(rt, "progress", progress.watch(self.sup, rt))
+            ex.run_for(rt, "progress", progress.watch(self.sup, rt))
         if spec.ready_interval > 0 and spec.ready.kind in (ReadyKind.HTTP, ReadyKind.TCP):
-            ex._task(rt, "ready-probe", self._ready_probe(rt, ready_first))
+            ex.run_for(rt, "ready-probe", self._ready_probe(rt, ready_first))
         else:
             self._ready_again(rt)  # no probe to say it any more (a reload turned it off)
 
@@ -298,7 +298,8 @@ class Monitors:
                         mainpid=fields["MAINPID"])
         if "STATUS" in fields:
             rt.status_text = fields["STATUS"]
-            self.sup.executor.drains.notified(rt, fields["STATUS"])
+            if (drains := self.sup.executor.drains) is not None:  # the supervisor always makes one
+                drains.notified(rt, fields["STATUS"])
         if fields.get("STOPPING") == "1":
             rt.stopping_notified = True
         if fields.get("READY") == "1":

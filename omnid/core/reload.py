@@ -28,6 +28,7 @@ from typing import Any
 import structlog
 
 from omnid.core.centre import Centre
+from omnid.core.errors import RequestRefused
 from omnid.core.lifecycle import Goal, UnitState
 from omnid.core.runtime import RestartBook, UnitRuntime
 from omnid.process.output import UnitOutput
@@ -160,10 +161,8 @@ def _str(v: Any) -> str | None:
     return None if v is None else str(v)
 
 
-class ReloadError(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
+class ReloadError(RequestRefused):
+    """A reload refused before it changed anything (busy, the stack is stopping)."""
 
 
 class Reloader:

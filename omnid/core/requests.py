@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from omnid.api.control import ControlError
+from omnid.core.errors import RequestRefused
 from omnid.core.lifecycle import Goal, UnitState
 from omnid.process.termination import StopRecord
 from omnid.core.centre import Centre
@@ -18,7 +18,7 @@ from omnid.model.units import Unit as UnitSpec
 S = UnitState
 
 
-class Superseded(ControlError):
+class Superseded(RequestRefused):
     """An operator request overtaken by another one on the same unit: it is answered
     with this error at once instead of waiting for a state that will not come."""
 

@@ -11,8 +11,10 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -22,6 +24,9 @@ from omnid.process.cgroup import cgroup_limits
 from omnid.process.handle import DAEMON_TAG, UNIT_TAG
 from omnid.process.spawnclient import SpawnRequest
 from omnid.model.units import Unit as UnitSpec
+
+if TYPE_CHECKING:  # omnid.gpu is imported when a unit has GPUs, not before the first spawn
+    from omnid.gpu.backend import GpuBackend
 
 log = structlog.get_logger("omnid.supervisor")
 
@@ -78,7 +83,7 @@ def program_path(name: str, env: dict[str, str], spec: UnitSpec) -> str | None:
     return found if found is not None and os.path.isabs(found) else None
 
 
-def environ(spec: UnitSpec, notify_socket: str | None, token: str, extra: dict[str, str]) -> dict[str, str]:
+def environ(spec: UnitSpec, notify_socket: str | None, token: str, extra: Mapping[str, str]) -> dict[str, str]:
     base = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
     # Units named `python3 -m ...` find the interpreter omnid runs under first.
     base["PATH"] = os.path.dirname(sys.executable) + os.pathsep + base.get("PATH", "/usr/local/bin:/usr/bin:/bin")
@@ -91,7 +96,7 @@ def environ(spec: UnitSpec, notify_socket: str | None, token: str, extra: dict[s
     return env
 
 
-def gpu_refusal(spec: UnitSpec, backend: object | None) -> str | None:
+def gpu_refusal(spec: UnitSpec, backend: GpuBackend | None) -> str | None:
     """A GPU of the unit has fallen off the bus or cannot be read: no start (no NVML call)."""
     if backend is None or not spec.gpus:
         return None
@@ -100,7 +105,7 @@ def gpu_refusal(spec: UnitSpec, backend: object | None) -> str | None:
     return gpu_mod.start_refusal(backend, spec.gpus)
 
 
-def gpu_held_by_leftover(spec: UnitSpec, backend: object | None, ours: set[int]) -> str | None:
+def gpu_held_by_leftover(spec: UnitSpec, backend: GpuBackend | None, ours: set[int]) -> str | None:
     """A unit must not start on a GPU that a leftover omnid process still holds."""
     if backend is None or not spec.gpus or not getattr(backend, "available", False) \
             or not getattr(backend, "pids_local", False):

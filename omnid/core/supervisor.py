@@ -17,6 +17,7 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -39,6 +40,11 @@ from omnid.process.spawnclient import ExitReport, SpawnerClient
 from omnid.base.tasks import report_crash
 from omnid.model.units import Stack
 
+if TYPE_CHECKING:  # the types the Centre protocol names (omnid.core.centre)
+    from omnid.process.cgroup import CgroupRoot
+    from omnid.core.crosshost import CrossHost
+    from omnid.gpu.backend import GpuBackend
+
 log = structlog.get_logger("omnid.supervisor")
 S, P, E = UnitState, Phase, Event
 # Events after which the reason is the one the stop began with (plus what the end adds).
@@ -54,8 +60,8 @@ class UnitNotFound(KeyError):
 class Supervisor:
     def __init__(self, stack: Stack, spawner: SpawnerClient, *, token: str, notify_socket: str | None = None,
                  publish: Callable[[dict], None] | None = None, on_pids_changed: Callable[[], None] | None = None,
-                 check_invariants: bool = False, gpu: object | None = None, echo_output: bool = True,
-                 cgroups: object | None = None) -> None:
+                 check_invariants: bool = False, gpu: GpuBackend | None = None, echo_output: bool = True,
+                 cgroups: CgroupRoot | None = None) -> None:
         self.stack = stack
         self.spawner = spawner
         self.token = token
@@ -83,7 +89,7 @@ class Supervisor:
         self.schedule = Schedule(self)
         self.requests = OperatorRequests(self)
         self.reloader = Reloader(self)
-        self.crosshost = None  # omnid.core.crosshost.CrossHost, set by the daemon with [cluster]
+        self.crosshost: CrossHost | None = None  # set by the daemon with [cluster]
         self.sockets = HeldSockets()  # units' listening sockets, held across their restarts
         self._queue: collections.deque[tuple[UnitRuntime, Event, str]] = collections.deque()
         self._feeding = False

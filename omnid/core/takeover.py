@@ -10,8 +10,7 @@ import os
 import time
 
 from omnid.core.centre import Centre
-from omnid.core.executor import Ctx
-from omnid.core.lifecycle import ArmTimer, UnitState, WatchReady
+from omnid.core.lifecycle import ArmTimer, Ctx, UnitState, WatchReady
 from omnid.core.runtime import RestartBook
 
 S = UnitState

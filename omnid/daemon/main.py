@@ -301,7 +301,16 @@ class Daemon:
         self.captures = CaptureStore(self.cfg.state_dir)
         assert self.sup is not None
         self.sup.executor.captures = self.captures
-        self.handlers = ControlHandlers(self)
+
+        async def check_new_program():  # noqa: ANN202 - for `reexec`: handover's refusal as the reply's error
+            from omnid.daemon import handover
+
+            try:
+                return await handover.check_new_program()
+            except handover.HandoverError as exc:
+                raise ControlError("reexec_refused", str(exc)) from None
+
+        self.handlers = ControlHandlers(self, check_new_program)
 
     def _health_socket(self, takeover: dict | None) -> socket.socket | None:
         """Bound now with a plain socket, so a busy port fails the daemon before any unit starts

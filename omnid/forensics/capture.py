@@ -403,36 +403,16 @@ async def capture_unit(sup: Any, name: str, why: str, *, max_bytes: int = DEFAUL
 # --------------------------------------------------------------------------- `dump` control command
 
 
-MAX_LAST = 100
-
-
-async def handle_dump(sup: Any, store: CaptureStore, args: dict[str, Any]) -> dict[str, Any]:
-    """The `dump` control command: {"unit": U, "last": N, "now": bool} -> {"captures": [...]},
-    each {"unit", "text", "capture"} (the JSON form), oldest first per unit."""
-    from omnid.api.control import ControlError
-
-    unit = args.get("unit")
-    if not isinstance(unit, str) or not unit:
-        raise ControlError("bad_request", "dump needs \"unit\": a unit name")
-    last = args.get("last", 1)
-    if isinstance(last, bool) or not isinstance(last, int) or not 1 <= last <= MAX_LAST:
-        raise ControlError("bad_request", f"\"last\" must be a whole number from 1 to {MAX_LAST}, got {str(last)[:40]!r}")
-    now = args.get("now", False)
-    if not isinstance(now, bool):
-        raise ControlError("bad_request", f"\"now\" must be true or false, got {str(now)[:40]!r}")
-    try:
-        names = sup.expand([unit], whole_groups=False)
-    except KeyError:
-        raise ControlError("unknown_unit", f"no unit named {unit[:100]!r}; units: "
-                                           f"{', '.join(list(sup.units)[:20])}") from None
-    if now:
-        running = [n for n in names if sup.units[n].proc is not None]
-        if not running:
-            raise ControlError("not_running", f"unit {unit!r} has no running process to capture "
-                                              f"(`omnid dump {unit}` shows the captures omnid kept)")
+async def dump(sup: Any, store: CaptureStore, names: list[str], last: int,
+               capture_now: list[str]) -> list[dict[str, Any]]:
+    """The `dump` control command's answer (its arguments are checked by omnid.api.handlers): the
+    units in `capture_now` are captured first and their captures kept, then the `last` kept
+    captures of each of `names`, each {"unit", "text", "capture"} (the JSON form), oldest
+    first per unit."""
+    if capture_now:
         caps = await asyncio.gather(*(capture_unit(sup, n, "on demand (omnid dump --now)",
                                                    budget_s=sup.units[n].spec.capture_timeout or DEFAULT_BUDGET_S)
-                                      for n in running))
+                                      for n in capture_now))
         for c in caps:
             if c is not None:
                 await store.save_async(c)
@@ -440,7 +420,7 @@ async def handle_dump(sup: Any, store: CaptureStore, args: dict[str, Any]) -> di
     for n in names:
         for c in await asyncio.to_thread(store.latest, n, last):
             out.append({"unit": n, "text": c.to_text(), "capture": c.to_json()})
-    return {"captures": out}
+    return out
 
 
 def add_last_capture(units: list[dict[str, Any]], store: CaptureStore) -> None:
@@ -453,5 +433,5 @@ def add_last_capture(units: list[dict[str, Any]], store: CaptureStore) -> None:
 
 # The record lives in omnid.forensics.record; these names are part of this module's face too.
 __all__ = ["Capture", "DEFAULT_BUDGET_S", "DEFAULT_MAX_BYTES", "MAX_BUDGET_S", "Member", "PY_SPY_ENV", "ProcessDump",
-           "PyThread", "ThreadState", "add_last_capture", "capture", "capture_unit", "find_py_spy", "handle_dump",
+           "PyThread", "ThreadState", "add_last_capture", "capture", "capture_unit", "dump", "find_py_spy",
            "json_size", "member_list", "members_of", "parse_py_spy", "summarize"]

@@ -2,7 +2,8 @@
 
 A unit's main process is never a bare pid: `ProcessHandle` carries pid, pidfd,
 process group and start time together, so nothing can signal a recycled pid.
-`find_residue` is the kernel's answer to "is anything of this unit left?".
+`find_residue` is the scan of a unit's live processes by group, session and tag; whether a
+unit is gone is omnid.unitprocs' answer, which reads it.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class ProcessHandle:
     reaped: asyncio.Event = field(default_factory=asyncio.Event)
     # Set when the pidfd turned readable (the process exited; maybe not yet reaped).
     exited: asyncio.Event = field(default_factory=asyncio.Event)
+    exit_told: bool = False  # its death was fed to its unit as EXITED (omnid.core.exits, once)
 
     def to_json(self) -> dict:
         """The numbers that name the process (the pidfd as its fd number: kept open across

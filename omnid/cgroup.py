@@ -442,7 +442,8 @@ class CgroupRoot:
         """What still runs in a unit's cgroup before its next start (an unkillable previous
         instance), as a Target for the kill policy; None when it is empty or absent."""
         path = os.path.join(self.path, escape(unit))
-        return ResidueCgroupTarget(self, path) if os.path.isdir(path) and populated(path) else None
+        target = ResidueCgroupTarget(self, path) if os.path.isdir(path) else None
+        return target if target is not None and target.procs.left() else None
 
     def metrics_lines(self, lbl) -> list[str]:
         """Prometheus lines for every unit cgroup's figures (health.py's /metrics)."""

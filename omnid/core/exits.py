@@ -90,6 +90,7 @@ class Deaths:
 
     def status_overdue(self, rt: UnitRuntime, h: ProcessHandle) -> None:
         """Sign 3: the pidfd fired EXIT_STATUS_WAIT_S ago and no status came."""
+        self.sup.executor.of(rt).exit_wait = None  # this timer, fired
         self._reconcile(rt, h, overdue=True)
 
     def spawner_gone(self) -> None:

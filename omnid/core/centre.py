@@ -24,7 +24,7 @@ from omnid.model.units import Stack
 
 if TYPE_CHECKING:  # type names only: none of these imports omnid.core.centre
     from omnid.process.cgroup import CgroupRoot
-    from omnid.core.exits import ExitBook
+    from omnid.core.exitbook import ExitBook
     from omnid.core.policy import Decision
     from omnid.gpu.backend import GpuBackend
     from omnid.process.sockets import HeldSockets

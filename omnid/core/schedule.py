@@ -150,3 +150,18 @@ class Schedule:
 
     def settled_down(self, rt: UnitRuntime) -> bool:
         return not rt.busy and rt.state in (S.INACTIVE, S.FAILED) and rt.phase is Phase.IDLE
+
+    # ------------------------------------------------------------ reasons
+    def refresh_waiting_reasons(self) -> None:
+        """A unit stopped for a requirement keeps naming the current root cause (after
+        every converge)."""
+        for rt in self.units.values():
+            if rt.state is not S.INACTIVE or rt.busy or rt.cause is not Cause.REQUIREMENT:
+                continue
+            for r in rt.spec.requires:
+                if self.down(self.units[r]):
+                    why = f"stopped: requires {self.root_cause(r)}"
+                    if why != rt.reason:
+                        rt.reason = why
+                        self.sup.notify_changed()
+                    break

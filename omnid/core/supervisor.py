@@ -4,11 +4,16 @@
         -> feed(unit, event) -> lifecycle.step -> new position + actions
         -> executor carries out the actions -> their outcomes are fed back
 
-`feed` is the only place a unit's state or phase changes; it processes one event at
-a time (events fed while one is being carried out wait their turn). `converge` is the
-only place that compares state with goal across units: after every change it feeds
-the stop and start events that the dependency graph and the goals call for. A
-readable pidfd is the death event: there is no polling loop for liveness.
+It owns the records (`units`, `by_pid`), `feed`, `converge` and the telling of changes
+(log, event socket, waiters, snapshots). `feed` is the only place a unit's state or phase
+changes, one event at a time (events fed while one is being carried out wait their turn).
+`converge` is the only place that compares state with goal across units: after every
+change it feeds the stops and starts that the dependency graph and the goals call for.
+
+A readable pidfd is the death event: there is no polling loop for liveness. The death
+path, from every sign of a death to the one EXITED it becomes, reads top to bottom in
+omnid.core.exits; the parts (executor, monitors, schedule, requests, reload, the GPU
+duties in omnid.core.gpus) receive the supervisor as a `Centre` (core/centre.py).
 """
 
 from __future__ import annotations
@@ -22,12 +27,13 @@ from typing import TYPE_CHECKING
 import structlog
 
 from omnid.base import linux
-from omnid.core import groups
+from omnid.core import gpus, groups
 from omnid.core.drain import Drains
-from omnid.core.executor import EXIT_STATUS_WAIT_S, Ctx, Executor
-from omnid.core.exits import ExitBook
+from omnid.core.executor import Ctx, Executor
+from omnid.core.exitbook import ExitBook
+from omnid.core.exits import Deaths
 from omnid.core.invariants import verify, verify_unit
-from omnid.core.lifecycle import Cause, Event, Goal, IllegalEvent, Phase, UnitState, View, step
+from omnid.core.lifecycle import Event, Goal, IllegalEvent, Phase, UnitState, View, step
 from omnid.core.monitors import Monitors
 from omnid.core.reload import Reloader
 from omnid.core.requests import OperatorRequests
@@ -81,6 +87,7 @@ class Supervisor:
             self.units[name] = UnitRuntime(spec=spec, book=book, output=UnitOutput(name, echo=echo_output))
         self.by_pid: dict[int, tuple[UnitRuntime, ProcessHandle]] = {}
         self.exits = ExitBook()  # reports and statuses that do not meet their unit in order
+        self.deaths = Deaths(self, self.exits)  # the death path: every sign of a death -> EXITED
         self._in_tier = False  # a converge is feeding stops: the subreaper's children are read once for all
         self._tier_orphans: list[int] | None = None
         self.executor = Executor(self)
@@ -165,7 +172,7 @@ class Supervisor:
     def _step(self, rt: UnitRuntime, event: Event, detail: str) -> None:
         leftovers = False
         if event is E.EXITED:
-            leftovers, note = self._exit_facts(rt)
+            leftovers, note = self.deaths.facts(rt)
             detail = rt.last_exit_what + note
         try:
             out = step(self._view(rt, leftovers), event)
@@ -206,11 +213,10 @@ class Supervisor:
         rt.proc = h
         rt.last_pgid = h.pgid
         self.by_pid[h.pid] = (rt, h)
-        if (early := self.exits.take_early(h)) is not None:
-            self.on_exit_report(early)
+        self.deaths.adopted(rt, h)  # an exit report that came before the spawn's reply
         for fields in self.monitors.early.pop(h.pgid, []):
             self.monitors.apply(rt, fields)
-        asyncio.get_running_loop().add_reader(h.pidfd, self._on_pidfd, rt, h)
+        asyncio.get_running_loop().add_reader(h.pidfd, self.deaths.pidfd_readable, rt, h)
         self.on_pids_changed()
 
     def disown(self, rt: UnitRuntime, h: ProcessHandle) -> None:
@@ -219,85 +225,14 @@ class Supervisor:
         rt.proc = None
         self.on_pids_changed()
 
-    def _on_pidfd(self, rt: UnitRuntime, h: ProcessHandle) -> None:
-        asyncio.get_running_loop().remove_reader(h.pidfd)
-        h.exit_seen = time.monotonic()
-        h.exited.set()
-        if rt.proc is not h:
-            return
-        rt.ready = False  # /health turns 503 now, before the failure is recorded
-        self.notify_changed()
-        if not h.reaped.is_set() and h.status_from_pidfd():
-            self.exits.read_from_pidfd(h.pid)  # the spawner's report, on its way, is dropped
-        if h.reaped.is_set():
-            self.feed(rt, E.EXITED)
-        else:  # the spawner's exit report is on its way; without it in 2 s: status unknown
-            w = self.executor.of(rt)
-            w.exit_wait = asyncio.get_running_loop().call_later(EXIT_STATUS_WAIT_S, self._exit_unknown, rt, h)
-
-    def _exit_unknown(self, rt: UnitRuntime, h: ProcessHandle) -> None:
-        self.executor.of(rt).exit_wait = None
-        if rt.proc is h and not h.reaped.is_set():
-            log.error("no exit status from the spawner within 2 s", unit=rt.name, pid=h.pid)
-            self.feed(rt, E.EXITED)
-
+    # ------------------------------------------------------------------ deaths (core/exits.py)
     def on_exit_report(self, rep: ExitReport) -> None:
-        if self.exits.helper_exit(rep) or self.exits.already_read(rep.pid):
-            return
-        entry = self.by_pid.get(rep.pid)
-        if entry is None:
-            if not rep.adopted:  # the exit of a spawn whose reply is still on its way
-                self.exits.keep_early(rep)
-            return
-        rt, h = entry
-        h.exit_status = rep.status
-        h.reaped.set()
-        if h.exited.is_set() and rt.proc is h:
-            w = self.executor.of(rt)
-            if w.exit_wait is not None:
-                w.exit_wait.cancel()
-                w.exit_wait = None
-                self.feed(rt, E.EXITED)
-
-    def _exit_facts(self, rt: UnitRuntime) -> tuple[bool, str]:
-        """The main process is gone: record how. Returns (leftovers, a note for the reason):
-        leftovers when the kernel cannot prove the unit empty yet (processes outlived it,
-        or zombies of its group are not reaped yet)."""
-        h = rt.proc
-        if h is None:
-            return False, ""
-        if h.exit_status is not None:
-            code, sig, what = linux.describe_wait_status(h.exit_status)
-        else:
-            code, sig, what = None, None, "exited (status unknown)"
-        rt.last_exit_code, rt.last_signal = code, sig
-        if rt.stopping_notified:
-            what += " after STOPPING=1"
-        rt.last_exit_what = f"{what} (pid {h.pid}, while {rt.state.value})"
-        if rt.state not in (S.STARTING, S.ACTIVE):
-            return False, ""
-        rt.death_detect_ms = (time.monotonic() - (h.exit_seen or time.monotonic())) * 1000
-        target = self.executor.target(rt, h)
-        # `empty` first: the kernel's proof, without the scan of /proc that listing the
-        # leftovers can take (0.3-0.7 s on a loaded host), which would hold the failure's
-        # report; the list is read only where the GPU check needs their pids.
-        if target.empty():
-            # The main process alone held the unit: its GPU memory is what a restart waits for.
-            self.executor.of(rt).dead_pids = [h.pid] if self.gpu_on() else []
-            return False, ""
-        left = target.members() if self.gpu_on() else []
-        self.executor.of(rt).dead_pids = [h.pid, *(s.pid for s in left)] if self.gpu_on() else []
-        if rt.spec.leftover_timeout > 0:
-            return True, (f"; what outlived it gets {linux.signal_name(rt.spec.stop_signal)}, "
-                          f"SIGKILL after {rt.spec.leftover_timeout:g} s")
-        return True, "; killing what outlived it"
+        """The spawner reaped a process: one of the signs of a death (Deaths.exit_report)."""
+        self.deaths.exit_report(rep)
 
     def on_spawner_gone(self) -> None:
         """Every unit died with the spawner (PDEATHSIG); realign state with that."""
-        for rt in self.units.values():
-            if rt.proc is not None:
-                rt.proc.exited.set()
-                rt.proc.reaped.set()
+        self.deaths.spawner_gone()
 
     # ------------------------------------------------------------------ converge
     def tier_orphans(self) -> list[int] | None:
@@ -351,22 +286,9 @@ class Supervisor:
             ev = sched.start_event(rt, now)
             if ev is not None:
                 self.feed(rt, ev)
-        self._refresh_waiting_reasons()
+        self.schedule.refresh_waiting_reasons()
         if self.crosshost is not None:
             self.crosshost.converged()
-
-    def _refresh_waiting_reasons(self) -> None:
-        """A unit stopped for a requirement keeps naming the current root cause."""
-        for rt in self.units.values():
-            if rt.state is not S.INACTIVE or rt.busy or rt.cause is not Cause.REQUIREMENT:
-                continue
-            for r in rt.spec.requires:
-                if self.schedule.down(self.units[r]):
-                    why = f"stopped: requires {self.schedule.root_cause(r)}"
-                    if why != rt.reason:
-                        rt.reason = why
-                        self.notify_changed()
-                    break
 
     # ------------------------------------------------------------------ telling
     def published(self, rt: UnitRuntime, frm: UnitState, event: Event | None = None, pid: int | None = None) -> None:
@@ -471,40 +393,15 @@ class Supervisor:
     def idle(self) -> bool:
         return not any(rt.busy for rt in self.units.values())
 
-    # ------------------------------------------------------------------ GPU
+    # ------------------------------------------------------------------ GPU (core/gpus.py)
     def gpu_fault(self, gpu: int | str, xid: int, meaning: str) -> list[str]:
         """A critical fault (an Xid) on one GPU: every running unit on it fails, naming it.
         Returns the units that were failed."""
-        from omnid.gpu import affects
-
-        hit = []
-        for rt in self.units.values():
-            if any(affects(self.gpu, gpu, item) for item in rt.spec.gpus) \
-                    and rt.state in (S.STARTING, S.ACTIVE) and not rt.dead:
-                hit.append(rt.name)
-                self.feed(rt, E.GPU_FAULT, f"GPU {gpu} fault: Xid {xid} ({meaning})")
-        return hit
+        return gpus.fail_units_on(self, gpu, xid, meaning)
 
     def gpu_on(self) -> bool:
         return self.gpu is not None and bool(getattr(self.gpu, "available", False))
 
     async def gpu_release(self, name: str, pids: list[int], timeout: float) -> tuple[float | None, list[str]]:
-        """Wait (at most `timeout`) until none of a stopped or dead unit's `pids` holds GPU
-        memory: (ms, []) once free; (None, what is still held) at the deadline; (None, [])
-        when the backend cannot tell. Memory still held is logged as an error, by pid."""
-        from omnid import gpu as gpu_mod
-
-        if not pids:
-            return None, []
-        try:
-            ms, left = await gpu_mod.wait_released(self.gpu, pids, timeout, items=self.units[name].spec.gpus or None)
-        except Exception as exc:  # noqa: BLE001 - a GPU read error must not break a stop
-            log.warning("gpu release check failed", unit=name, error=str(exc))
-            return None, []
-        held = [f"pid {p.pid} holds {p.used_mib:.0f} MiB on GPU {p.gpu}" for p in left]
-        if held:
-            log.error("GPU memory still held after the unit's processes were killed", unit=name,
-                      timeout_s=timeout, held=held)
-        elif ms is not None:
-            log.info("gpu memory released", unit=name, ms=round(ms, 1))
-        return ms, held
+        """Wait (at most `timeout`) until none of a stopped or dead unit's `pids` holds GPU memory."""
+        return await gpus.wait_released(self, name, pids, timeout)

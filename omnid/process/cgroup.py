@@ -443,7 +443,8 @@ class CgroupRoot:
         """What still runs in a unit's cgroup before its next start (an unkillable previous
         instance), as a Target for the kill policy; None when it is empty or absent."""
         path = os.path.join(self.path, escape(unit))
-        return ResidueCgroupTarget(self, path) if os.path.isdir(path) and populated(path) else None
+        target = ResidueCgroupTarget(self, path) if os.path.isdir(path) else None
+        return target if target is not None and target.procs.left() else None
 
     def write_metrics(self, page: promtext.Page) -> None:
         """Every unit cgroup's figures onto `page` (omnid.promtext.Page; health.py's /metrics).
@@ -620,20 +621,59 @@ def _survivors(path: str) -> list[Survivor]:
     return out
 
 
-ZOMBIE_REAP_WAIT_S = 1.0  # a unit's cgroup is empty: how long its group's zombies may wait for their reap
+class CgroupProcesses:
+    """omnid.process.unitprocs' cgroup backend: what of a unit is left in its cgroup. Gone = the
+    main process reaped (with none: nothing runs in the cgroup), `populated 0` in
+    cgroup.events, and the process group empty: `populated 0` comes when the last process
+    exits, before its reap, and its zombie still holds the group until the spawner (the
+    subreaper) reaps it, moments later."""
+
+    def __init__(self, root: CgroupRoot, path: str, h: ProcessHandle | None = None) -> None:
+        self.root = root
+        self.path = path
+        self.h = h
+
+    def main_gone(self) -> bool:
+        return self.h.reaped.is_set() if self.h is not None else not populated(self.path)
+
+    def left(self) -> bool:
+        return populated(self.path) or (self.h is not None and group_alive(self.h.pgid))
+
+    def gone(self) -> bool:
+        return self.main_gone() and not self.left()
+
+    def members(self) -> list[Survivor]:
+        return _survivors(self.path)
+
+    async def wait_gone(self, deadline: float) -> bool:
+        if self.h is None:
+            return await self.root.inotify.wait_empty(self.path, deadline)
+        try:
+            await asyncio.wait_for(self.h.reaped.wait(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return False
+        if not await self.root.inotify.wait_empty(self.path, deadline):
+            return False
+        # The cgroup is empty, so what holds the group's number is a zombie of ours; the wait
+        # is bounded all the same (ZOMBIE_REAP_S) in case the number was taken since.
+        until = min(deadline, time.monotonic() + ZOMBIE_REAP_S)
+        while group_alive(self.h.pgid) and time.monotonic() < until:
+            await asyncio.sleep(0.005)
+        return True
 
 
 class CgroupTarget:
     """omnid.process.termination's Target for a unit with a cgroup (systemd's KillMode=control-group):
     the signal goes to the main process, its group (as the process-group backend does) and
-    every process of the cgroup; kill_all is `cgroup.kill`; gone = main reaped and
-    `populated 0` seen as an event, then the directory is removed."""
+    every process of the cgroup; kill_all is `cgroup.kill`; gone is CgroupProcesses', seen
+    as an event, and then the directory is removed."""
 
     def __init__(self, unit: str, h: ProcessHandle, token: str | None, cg: UnitCgroup) -> None:
         self.name = unit
         self.h = h
         self.token = token
         self.cg = cg
+        self.procs = CgroupProcesses(cg.root, cg.path, h)
         self._rel = _rel_path(cg.path)
 
     def signal_all(self, sig: int) -> None:
@@ -655,31 +695,14 @@ class CgroupTarget:
         self.h.signal(signal.SIGKILL)
         self.cg.kill()
 
-    def main_gone(self) -> bool:
-        return self.h.reaped.is_set()
-
     async def wait_gone(self, deadline: float) -> bool:
-        try:
-            await asyncio.wait_for(self.h.reaped.wait(), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+        if not await self.procs.wait_gone(deadline):
             return False
-        if not await self.cg.wait_empty(deadline):
-            return False
-        # `populated 0` comes when the last process exits, before its reap: its zombie still
-        # holds the process group until the spawner (the subreaper) reaps it, moments later.
-        # The cgroup is empty, so what holds the group's number is a zombie of ours; the wait
-        # is bounded all the same (ZOMBIE_REAP_S) in case the number was taken since.
-        until = min(deadline, time.monotonic() + ZOMBIE_REAP_S)
-        while group_alive(self.h.pgid) and time.monotonic() < until:
-            await asyncio.sleep(0.005)
         self.cg.root.release(self.name)
         return True
 
-    def empty(self) -> bool:
-        return self.h.reaped.is_set() and not self.cg.populated() and not group_alive(self.h.pgid)
-
     def members(self) -> list[Survivor]:
-        return _survivors(self.cg.path)
+        return self.procs.members()
 
 
 class ResidueCgroupTarget:
@@ -691,6 +714,7 @@ class ResidueCgroupTarget:
         self.root = root
         self.path = path
         self.name = f"cgroup {path}"
+        self.procs = CgroupProcesses(root, path)
 
     def signal_all(self, sig: int) -> None:
         if sig == signal.SIGKILL:
@@ -708,17 +732,11 @@ class ResidueCgroupTarget:
         except FileNotFoundError:
             pass
 
-    def main_gone(self) -> bool:
-        return not populated(self.path)
-
     async def wait_gone(self, deadline: float) -> bool:
-        return await self.root.inotify.wait_empty(self.path, deadline)
+        return await self.procs.wait_gone(deadline)
 
     def members(self) -> list[Survivor]:
-        return _survivors(self.path)
-
-    def empty(self) -> bool:
-        return not populated(self.path)
+        return self.procs.members()
 
 
 # --------------------------------------------------------------------- daemon hooks

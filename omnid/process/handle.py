@@ -2,7 +2,8 @@
 
 A unit's main process is never a bare pid: `ProcessHandle` carries pid, pidfd,
 process group and start time together, so nothing can signal a recycled pid.
-`find_residue` is the kernel's answer to "is anything of this unit left?".
+`find_residue` is the scan of a unit's live processes by group, session and tag; whether a
+unit is gone is omnid.process.unitprocs' answer, which reads it.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class ProcessHandle:
     reaped: asyncio.Event = field(default_factory=asyncio.Event)
     # Set when the pidfd turned readable (the process exited; maybe not yet reaped).
     exited: asyncio.Event = field(default_factory=asyncio.Event)
+    exit_told: bool = False  # its death was fed to its unit as EXITED (omnid.core.exits, once)
 
     def to_json(self) -> dict:
         """The numbers that name the process (the pidfd as its fd number: kept open across
@@ -180,7 +182,7 @@ def group_alive(pgid: int) -> bool:
         return True
 
 
-def _tagged(pid: int, unit: str, daemon_token: str | None) -> bool:
+def tagged(pid: int, unit: str, daemon_token: str | None) -> bool:
     if linux.read_environ_var(pid, UNIT_TAG) != unit:
         return False
     return daemon_token is None or linux.read_environ_var(pid, DAEMON_TAG) in (daemon_token, None)
@@ -196,7 +198,7 @@ def tagged_group_members(unit: str, pgid: int, daemon_token: str | None = None,
         return []
     out = []
     for p in (procs or linux.scan)():
-        if (p.pgid == pgid or p.sid == pgid) and p.state not in ("Z", "X") and _tagged(p.pid, unit, daemon_token):
+        if (p.pgid == pgid or p.sid == pgid) and p.state not in ("Z", "X") and tagged(p.pid, unit, daemon_token):
             out.append(Survivor(p.pid, p.comm, p.state, linux.wchan(p.pid), f"process group {pgid}", p.start_time))
     return out
 
@@ -229,7 +231,7 @@ def find_residue(unit: str, pgid: int, spawner_pid: int, daemon_token: str | Non
         # and none from another unit's main process (another session): walk that, not /proc.
         skip = frozenset(m for m in mains if m != pgid)
         for p in (linux.descendants(spawner_pid, skip) if spawner_pid > 0 else linux.scan()):
-            if not group_ours and (p.pgid == pgid or p.sid == pgid) and not _tagged(p.pid, unit, daemon_token):
+            if not group_ours and (p.pgid == pgid or p.sid == pgid) and not tagged(p.pid, unit, daemon_token):
                 continue
             if p.pgid == pgid:
                 add(p, f"process group {pgid}")
@@ -238,7 +240,7 @@ def find_residue(unit: str, pgid: int, spawner_pid: int, daemon_token: str | Non
     for pid in linux.children_of(spawner_pid) if children is None else children:
         if pid in seen or pid in mains or pid == pgid:
             continue
-        if not _tagged(pid, unit, daemon_token):
+        if not tagged(pid, unit, daemon_token):
             continue
         st = linux.read_stat(pid)
         add(st, f"orphan tagged {unit}")

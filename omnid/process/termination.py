@@ -13,10 +13,14 @@ the rest then getting its own signal once the main process has exited (`rest`: S
 under `mixed`, stop_signal under `process`). SIGKILL at stop_timeout (`escalate`) always
 goes to everything.
 
-A `Target` is everything that belongs to one thing, as far as the kernel can
-prove it: a process group proven ours by its leader's pidfd
-(`ProcessGroupTarget`), a unit's cgroup (omnid.cgroup.CgroupTarget), a list of
-proven leftovers (`LeftoverTarget`).
+A `Target` is how the policy acts on one thing: a process group proven ours by its
+leader's pidfd (`ProcessGroupTarget`), a unit's cgroup (omnid.cgroup.CgroupTarget), a
+list of proven leftovers (`LeftoverTarget`). Whether anything of it is left -- the main
+process reaped, the group or cgroup empty -- is its `procs`' answer (omnid.process.unitprocs, the
+one definition of gone), never the policy's own.
+
+This module owns the order of the steps and the StopRecord they fill in; what a signal
+reaches is the target's, what counts as gone is omnid.process.unitprocs'.
 """
 
 from __future__ import annotations
@@ -32,13 +36,11 @@ from typing import Protocol
 import structlog
 
 from omnid.base import linux
-from omnid.process.handle import ProcessHandle, Survivor, _tagged, find_residue, group_alive, kill_survivors
+from omnid.process.handle import ProcessHandle, Survivor, kill_survivors
+from omnid.process.unitprocs import POLL_S, GroupProcesses, HeldProcesses, UnitProcesses
 
 log = structlog.get_logger("omnid.process.termination")
 
-POLL_S = 0.005
-MAX_BACKOFF_S = 0.25  # wait_gone: the longest pause between two scans (off the loop) of a group
-SETTLE_S = 0.05  # wait_gone: after a member's exit, how long a killpg(0) waits for the spawner's reap
 UNBOUNDED_S = 1e9  # "no deadline" for wait_gone, whose caller bounds it another way
 
 
@@ -84,9 +86,14 @@ class StopRecord:
 
 
 class Target(Protocol):
-    """Everything that belongs to one unit, as far as the kernel can prove it."""
+    """Everything that belongs to one thing, as the kill policy acts on it: how to signal it,
+    and `procs`, what of it is left (omnid.process.unitprocs: the one definition of gone)."""
 
     name: str
+
+    @property
+    def procs(self) -> UnitProcesses:
+        """What of the target is left: the one definition of gone (omnid.process.unitprocs)."""
 
     def signal_all(self, sig: int) -> None:
         """Send sig to every process of the target (first signal, SIGCONT)."""
@@ -98,19 +105,11 @@ class Target(Protocol):
     def kill_all(self) -> None:
         """SIGKILL every process of the target, escaped ones included."""
 
-    def main_gone(self) -> bool:
-        """Has the main process exited and been reaped?"""
-
     async def wait_gone(self, deadline: float) -> bool:
-        """Wait (monotonic deadline) until nothing of the target runs; False at the deadline."""
+        """procs.wait_gone, and what the target does once it is gone (a cgroup's rmdir)."""
 
     def members(self) -> list[Survivor]:
-        """What of the target still lives (residue), described for the operator."""
-
-    def empty(self) -> bool:
-        """The kernel's proof that nothing of the target is left, zombies included (a zombie
-        still holds its process group): the main process reaped, the group or cgroup empty,
-        no escaped orphan. False when it cannot be proven yet."""
+        """procs.members(): what of the target still lives, described for the operator."""
 
 
 class ProcessGroupTarget:
@@ -124,51 +123,22 @@ class ProcessGroupTarget:
                  mains: Container[int] = (), orphans: Callable[[], list[int] | None] | None = None) -> None:
         self.name = unit
         self.h = h
-        self.spawner_pid = spawner_pid
         self.token = token
-        self.mains = mains
+        self.procs = GroupProcesses(unit, h, spawner_pid, token, mains=mains)
         self._orphans = orphans
-        self._group_ours = True  # until the leader is reaped
         self._extra: list[Survivor] | None = None
 
     def _stack(self) -> list[linux.ProcStat]:
         """Where the group's members are once the leader is gone: the spawner's descendants
         (but other units' subtrees), not the host's whole process table."""
-        return linux.descendants(self.spawner_pid, frozenset(self.mains))
-
-    def _residue(self, members: bool, children: list[int] | None = None) -> list[Survivor]:
-        ours = self._group_ours and not self.h.reaped.is_set()
-        return find_residue(self.name, self.h.pgid, self.spawner_pid, self.token, members=members,
-                            mains=self.mains, children=children, group_ours=ours)
-
-    def _member_pidfd(self) -> int | None:
-        """The leader is reaped: a pidfd on a process still in the group, found among the
-        subreaper's children (the main process's orphans are re-parented there), checked to
-        be in the group once the pidfd pins it. While it is, the group's number names this
-        group and no other: the kernel frees a number only once no process uses it as pid,
-        process group or session. None when there is none (then the group is signalled by
-        its tagged members, a /proc scan)."""
-        for pid in linux.children_of(self.spawner_pid):
-            if pid in self.mains:
-                continue
-            st = linux.read_stat(pid)
-            if st is None or st.pgid != self.h.pgid or not _tagged(pid, self.name, self.token):
-                continue  # untagged: the number may be a stranger's group now
-            fd = linux.open_checked_pidfd(pid, st.start_time)
-            if fd is None:
-                continue
-            again = linux.read_stat(pid)
-            if again is not None and again.pgid == self.h.pgid:
-                return fd
-            os.close(fd)
-        return None
+        return linux.descendants(self.procs.spawner_pid, frozenset(self.procs.mains))
 
     def _signal_group(self, sig: int) -> None:
         """The group by number while its leader or, once the leader is reaped (the rest of a
         unit under kill_mode mixed / process, the leftovers of a dead main process), a member
         held by pidfd proves the number ours: one killpg, where the tagged members' scan of
         /proc took 0.3-0.7 s on a loaded 2-core host with 2,000 processes."""
-        if self.h.reaped.is_set() and (fd := self._member_pidfd()) is not None:
+        if self.h.reaped.is_set() and (fd := self.procs.member_pidfd()) is not None:
             try:
                 os.killpg(self.h.pgid, sig)
             except ProcessLookupError:
@@ -184,7 +154,7 @@ class ProcessGroupTarget:
         # children when `orphans` gives it): the SIGCONT right after goes to the same ones.
         self._signal_group(sig)
         if self._extra is None:
-            self._extra = self._residue(members=False, children=self._orphans() if self._orphans else None)
+            self._extra = self.procs.residue(members=False, children=self._orphans() if self._orphans else None)
         kill_survivors(self._extra, sig)
 
     def signal_main(self, sig: int) -> bool:
@@ -193,189 +163,43 @@ class ProcessGroupTarget:
     def kill_all(self) -> None:
         self.h.signal(signal.SIGKILL)
         self._signal_group(signal.SIGKILL)
-        kill_survivors(self._residue(members=False))
-
-    def main_gone(self) -> bool:
-        return self.h.reaped.is_set()
-
-    def _group_left(self) -> bool:
-        if not group_alive(self.h.pgid):
-            return False
-        if self.h.leader_alive():
-            return True
-        # The leader is gone: a member held by pidfd proves the group ours and not empty, without
-        # a scan of /proc (a unit's leftovers live on for leftover_timeout, polled every POLL_S).
-        if (fd := self._member_pidfd()) is not None:
-            os.close(fd)
-            return True
-        # The number alone may name a stranger's group now.
-        if any(s for s in find_residue(self.name, self.h.pgid, self.spawner_pid, self.token,
-                                       mains=self.mains, children=[], group_ours=False)):
-            return True
-        # Zombies of the group not reaped yet carry no tag to read; those that are children of
-        # the spawner (which reaps them in a moment) are ours: the group is not empty yet.
-        return any(p not in self.mains and (st := linux.read_stat(p)) is not None and st.pgid == self.h.pgid
-                   for p in linux.children_of(self.spawner_pid))
-
-    def _hold_members(self, procs: list[linux.ProcStat]) -> tuple[bool, list[int]]:
-        """From one walk of the spawner's descendants: (is anything of the group left, pidfds
-        of its live tagged members). Once the leader is gone the number may name a stranger's
-        group: a live member counts only if it carries the unit's tag; a zombie of the group
-        that the spawner has not reaped yet (it carries no tag to read) counts too. Every
-        live member is held by a checked pidfd, so its exit wakes the loop, no scan needed."""
-        left, fds = False, []
-        for p in procs:
-            if p.pgid != self.h.pgid and p.sid != self.h.pgid or p.pid in self.mains:
-                continue
-            if p.state in ("Z", "X"):
-                left = left or (p.ppid == self.spawner_pid and p.pgid == self.h.pgid)
-                continue
-            if not _tagged(p.pid, self.name, self.token):
-                continue
-            left = True
-            fd = linux.open_checked_pidfd(p.pid, p.start_time)
-            if fd is not None:
-                fds.append(fd)
-        return left, fds
+        kill_survivors(self.procs.residue(members=False))
 
     async def wait_gone(self, deadline: float) -> bool:
-        try:
-            await asyncio.wait_for(self.h.reaped.wait(), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            return False
-        # No /proc scan on the loop: a killpg(0) says whether anything (zombies included) is
-        # left in the group; while something is, the spawner's descendants (every member of
-        # a unit's group is one: the spawner is their subreaper) are walked in a thread, one
-        # walk for every unit that waits in the same moment, and the members' pidfds wake the
-        # loop when they exit; what no pidfd holds (a zombie the spawner reaps in a moment, a
-        # member forked since the walk) is looked at again with back-off.
-        delay = POLL_S
-        while group_alive(self.h.pgid):
-            left, fds = self._hold_members(await stack_walk(self.spawner_pid, self.mains))
-            try:
-                if not left:
-                    return True
-                if time.monotonic() >= deadline:
-                    return False
-                woke = await linux.any_readable(fds, min(delay, deadline - time.monotonic()))
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            if woke:
-                # A member exited: the spawner reaps it in a moment. Cheap checks first.
-                settle = min(deadline, time.monotonic() + SETTLE_S)
-                while group_alive(self.h.pgid) and time.monotonic() < settle:
-                    await asyncio.sleep(POLL_S)
-                delay = POLL_S
-            else:
-                delay = min(delay * 2, MAX_BACKOFF_S)
-        return True
+        return await self.procs.wait_gone(deadline)
 
     def members(self) -> list[Survivor]:
-        return self._residue(members=True)
-
-    def empty(self) -> bool:
-        if not self.h.reaped.is_set() or self._group_left():
-            return False
-        return not self._residue(members=False)
-
-
-class _Walks:
-    """One walk of the spawner's descendants, in a thread, shared by every wait_gone that asks
-    for one before it starts; a walk asked for while one runs starts after it (so what it
-    returns was read after the question)."""
-
-    def __init__(self) -> None:
-        self.pending: dict[int, asyncio.Future] = {}
-        self.running: dict[int, asyncio.Future] = {}
-        self.tasks: set[asyncio.Task] = set()  # held: the loop keeps only weak references
-        self.walks = 0
-
-    async def get(self, root: int, skip: frozenset[int]) -> list[linux.ProcStat]:
-        fut = self.pending.get(root)
-        if fut is None:
-            fut = self.pending[root] = asyncio.get_running_loop().create_future()
-            task = asyncio.get_running_loop().create_task(self._run(root, skip, fut))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
-        return await asyncio.shield(fut)
-
-    async def _run(self, root: int, skip: frozenset[int], fut: asyncio.Future) -> None:
-        before = self.running.get(root)
-        if before is not None:
-            await asyncio.wait([before])
-        self.pending.pop(root, None)
-        self.running[root] = fut
-        self.walks += 1
-        try:
-            fut.set_result(await asyncio.to_thread(linux.descendants, root, skip))
-        except Exception as exc:  # noqa: BLE001 - handed to every waiter
-            fut.set_exception(exc)
-        finally:
-            if self.running.get(root) is fut:
-                del self.running[root]
-
-
-_walks = _Walks()
-
-
-async def stack_walk(spawner_pid: int, mains: Container[int] = ()) -> list[linux.ProcStat]:
-    """The spawner's descendants but the units' live main processes' subtrees (a thread)."""
-    return await _walks.get(spawner_pid, frozenset(mains))
+        return self.procs.members()
 
 
 class LeftoverTarget:
-    """Processes of a previous daemon instance, proven ours (pid + start time, or tag):
-    each held by a pidfd opened right after the proof, so a recycled pid is never hit.
-    `items` are anything with .pid and .describe() (statefile.Leftover, Survivor), and
-    optionally .start_time to check the pidfd against."""
+    """Processes of a previous daemon instance, proven ours (pid + start time, or tag),
+    each held by a pidfd (omnid.unitprocs.HeldProcesses). `items` are anything with .pid
+    and .describe() (statefile.Leftover, Survivor), and .start_time to check the pidfd."""
 
     def __init__(self, name: str, items: list) -> None:
         self.name = name
-        self._held: list[tuple[Survivor, int]] = []
-        for it in items:
-            fd = linux.open_checked_pidfd(it.pid, it.start_time)
-            st = linux.read_stat(it.pid) if fd is not None else None
-            if fd is None or st is None:
-                if fd is not None:
-                    os.close(fd)
-                continue
-            self._held.append((Survivor(it.pid, st.comm, st.state, "", it.describe(), st.start_time), fd))
-
-    def _live(self) -> list[tuple[Survivor, int]]:
-        return [(s, fd) for s, fd in self._held if not linux.pidfd_exited(fd)]
+        self.procs = HeldProcesses(items)
 
     def signal_all(self, sig: int) -> None:
-        for _s, fd in self._live():
+        for _s, fd in self.procs.live():
             linux.pidfd_send_signal(fd, sig)
 
     def signal_main(self, sig: int) -> bool:
         self.signal_all(sig)  # no main process: everything is the target
-        return bool(self._held)
+        return bool(self.procs.held)
 
     def kill_all(self) -> None:
         self.signal_all(signal.SIGKILL)
 
-    def main_gone(self) -> bool:
-        return not self._live()
-
     async def wait_gone(self, deadline: float) -> bool:
-        while self._live():
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(POLL_S)
-        return True
+        return await self.procs.wait_gone(deadline)
 
     def members(self) -> list[Survivor]:
-        return [s for s, _fd in self._live()]
-
-    def empty(self) -> bool:
-        return not self._live()
+        return self.procs.members()
 
     def close(self) -> None:
-        for _s, fd in self._held:
-            os.close(fd)
-        self._held.clear()
+        self.procs.close()
 
 
 class Termination:
@@ -397,7 +221,7 @@ class Termination:
         waits for an exit that has happened."""
         self.t0 = time.monotonic()
         self.rec.signal = linux.signal_name(sig)
-        if main_only and sig != signal.SIGKILL and not self.target.main_gone():
+        if main_only and sig != signal.SIGKILL and not self.target.procs.main_gone():
             self.rec.to = "main"
             if self.target.signal_main(sig) and cont and sig != signal.SIGCONT:
                 self.target.signal_main(signal.SIGCONT)
@@ -447,7 +271,7 @@ class Termination:
         """Wait until nothing of the target runs (the kernel's proof); False at the deadline
         (None: no deadline of its own -- the caller's timers bound the wait)."""
         gone = await self.target.wait_gone(time.monotonic() + UNBOUNDED_S if deadline is None else deadline)
-        if self.target.main_gone() and self.rec.seconds is None:
+        if self.target.procs.main_gone() and self.rec.seconds is None:
             self.rec.seconds = round(time.monotonic() - self.t0, 4)
         return gone
 

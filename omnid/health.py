@@ -420,6 +420,13 @@ class HealthServer:
             metric("omnid_notify_datagrams_total", "counter", "notify datagrams received, accepted or dropped")
             for what, n in notify.items():
                 lines.append(f"omnid_notify_datagrams_total{lbl(outcome=what)} {n}")
+        store = getattr(self.sup, "fdstore", None)
+        if store is not None:  # omnid.fdstore: what units handed over, and what was refused
+            metric("omnid_fdstore_fds_total", "counter", "fds sent to the fd store, by outcome")
+            for what, n in store.counters.items():
+                lines.append(f"omnid_fdstore_fds_total{lbl(outcome=what)} {n}")
+            metric("omnid_fdstore_fds", "gauge", "fds held in the fd store now")
+            lines.append(f"omnid_fdstore_fds {len(store.fds())}")
         ch = getattr(self.sup, "crosshost", None)
         if ch is not None:  # worker groups across hosts (omnid.cluster)
             from omnid.cluster.metrics import render as cluster_metrics

@@ -121,6 +121,7 @@ def _expand_unit(
         leftover_timeout=v["leftover_timeout"],
         update=v["update"],
         max_unavailable=v["max_unavailable"],
+        fd_store_max=v["fd_store_max"],
         private_tmp=v["private_tmp"],
         remove_ipc=v["remove_ipc"],
         capture_timeout=v["capture_timeout"],

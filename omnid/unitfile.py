@@ -14,7 +14,7 @@ from typing import Any
 
 from omnid.cluster.settings import HOST_NAME, parse_cluster
 from omnid.ownership import UnsafePath, read_unit_file
-from omnid.unitmodel import DEFAULT_TITLE, DaemonSettings, DrainHook, KillMode, ListenSocket, Liveness, LogFormat, NumaMode, Progress, Ready, ReadyKind, RestartPolicy, TorchDistributed, UnitFileError, UpdatePolicy
+from omnid.unitmodel import DEFAULT_TITLE, MAX_PASSED_FDS, DaemonSettings, DrainHook, KillMode, ListenSocket, Liveness, LogFormat, NumaMode, Progress, Ready, ReadyKind, RestartPolicy, TorchDistributed, UnitFileError, UpdatePolicy
 from omnid.unitvalues import MAX_INSTANCES, InvalidValue, _Invalid, _Table, _argv, _cgroup_amount, _choice, _describe, _env, _gpus, _group_name, _integer, _limits, _nonempty_string, _numa, _quote, _seconds, _seconds_at_most, _string, _string_list, parse_host_port, parse_signal
 
 
@@ -28,7 +28,7 @@ UNIT_KEYS = (
     "start_limit_burst", "start_limit_interval", "gpu_min_free_mib", "worker_group", "torch_distributed",
     "memory_max", "tasks_max", "capture_timeout", "drain", "drain_timeout", "group_hosts", "numa",
     "progress", "ready_interval", "kill_mode", "leftover_timeout", "private_tmp", "remove_ipc",
-    "sockets", "update", "max_unavailable",
+    "sockets", "update", "max_unavailable", "fd_store_max",
 )  # fmt: skip
 TORCH_DISTRIBUTED_KEYS = ("master_addr", "master_port")
 # The restart policy of a worker group is one policy: every member must declare the same.
@@ -166,6 +166,7 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
         "sockets": (),
         "update": t.get("update", UpdatePolicy.RESTART, _choice(UpdatePolicy)),
         "max_unavailable": t.get("max_unavailable", 1, _integer(1, MAX_INSTANCES)),
+        "fd_store_max": t.get("fd_store_max", 0, _integer(0, MAX_PASSED_FDS)),
     }
     td = raw.get("torch_distributed", False)
     if td is True or isinstance(td, dict):
@@ -189,6 +190,9 @@ def _parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list
         v["progress"] = _progress(file, raw["progress"], errors)
     if "sockets" in raw:
         v["sockets"] = _sockets(file, raw["sockets"], errors)
+    if v["fd_store_max"] + len(v["sockets"]) > MAX_PASSED_FDS:
+        t.error("fd_store_max", f"expected at most {MAX_PASSED_FDS - len(v['sockets'])} with {len(v['sockets'])} "
+                f"sockets (a unit is passed at most {MAX_PASSED_FDS} fds), got {v['fd_store_max']}")
     if v["watchdog_sec"] > 0 and v["ready"].kind is not ReadyKind.NOTIFY:
         t.error("watchdog_sec", f'needs ready = "notify" (the watchdog is fed by WATCHDOG=1 notifications), '
                 f'got ready = "{v["ready"].kind}"')  # fmt: skip

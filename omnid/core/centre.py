@@ -34,6 +34,7 @@ class Centre(Protocol):
     crosshost: Any  # omnid.core.crosshost.CrossHost, or None: no group spans hosts
     exits: Any  # omnid.core.exits.ExitBook (a helper's exit report: core/execprobe.py)
     sockets: Any  # omnid.sockets.HeldSockets
+    fdstore: Any  # omnid.fdstore.FdStore
 
     def feed(self, rt: UnitRuntime, event: Event, detail: str = "") -> None: ...
 

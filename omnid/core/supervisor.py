@@ -34,6 +34,7 @@ from omnid.core.runtime import RestartBook, UnitRuntime
 from omnid.core.schedule import Schedule
 from omnid.output import UnitOutput
 from omnid.process import ProcessHandle
+from omnid.fdstore import FdStore
 from omnid.sockets import HeldSockets
 from omnid.spawnclient import ExitReport, SpawnerClient
 from omnid.tasks import report_crash
@@ -85,6 +86,8 @@ class Supervisor:
         self.reloader = Reloader(self)
         self.crosshost = None  # omnid.core.crosshost.CrossHost, set by the daemon with [cluster]
         self.sockets = HeldSockets()  # units' listening sockets, held across their restarts
+        # fds units keep in the daemon (FDSTORE=1), per instance; the daemon starts its watch
+        self.fdstore = FdStore(lambda n: self.units[n].spec.fd_store_max if n in self.units else 0)
         self._queue: collections.deque[tuple[UnitRuntime, Event, str]] = collections.deque()
         self._feeding = False
         self._converge_pending = False

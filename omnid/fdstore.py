@@ -115,9 +115,10 @@ class FdStore:
     def __init__(self, limit_of: Callable[[str], int]) -> None:
         self.units: dict[str, list[Stored]] = {}
         self._limit_of = limit_of
-        self._epoll = select.epoll()  # close-on-exec: a re-exec registers again
+        # The hang-up watch, opened by start() (a supervisor built without a loop opens no fd);
+        # close-on-exec: a re-exec registers the fds it inherits again.
+        self._epoll: select.epoll | None = None
         self._polled: dict[int, str] = {}  # stored fd -> unit, for the fds in the epoll set
-        self._reader = False
         self.counters = {"stored": 0, "removed": 0, "passed": 0, "dropped_hangup": 0, "refused_over_limit": 0,
                          "refused_kind": 0, "refused_name": 0, "refused_duplicate": 0}
         self._reported: dict[str, int] = {}
@@ -125,10 +126,12 @@ class FdStore:
 
     # -- the loop ------------------------------------------------------------------------
     def start(self) -> None:
+        """Watch stored fds for hang-ups from the running loop (before any is stored or taken over)."""
+        self._epoll = select.epoll()
         asyncio.get_running_loop().add_reader(self._epoll.fileno(), self._hangups)
-        self._reader = True
 
     def _hangups(self) -> None:
+        assert self._epoll is not None
         for fd, _events in self._epoll.poll(0, 256):  # level-triggered: the rest next turn
             unit = self._polled.get(fd)
             held = self.units.get(unit or "", [])
@@ -264,15 +267,17 @@ class FdStore:
     def close_all(self) -> None:
         for name in list(self.units):
             self.drop(name, "the daemon stops")
-        if self._reader:
+        if self._epoll is not None:
             try:
                 asyncio.get_running_loop().remove_reader(self._epoll.fileno())
             except RuntimeError:
                 pass
-            self._reader = False
-        self._epoll.close()
+            self._epoll.close()
+            self._epoll = None
 
     def _watch(self, unit: str, s: Stored) -> None:
+        if self._epoll is None:
+            return  # not started: no loop to watch from
         try:
             self._epoll.register(s.fd, 0)  # 0: EPOLLHUP and EPOLLERR only (always reported)
         except PermissionError:
@@ -280,7 +285,7 @@ class FdStore:
         self._polled[s.fd] = unit
 
     def _unpoll(self, fd: int) -> None:
-        if self._polled.pop(fd, None) is not None:
+        if self._polled.pop(fd, None) is not None and self._epoll is not None:
             try:
                 self._epoll.unregister(fd)
             except OSError:

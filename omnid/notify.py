@@ -107,7 +107,7 @@ class NotifyServer:
             self._last_summary = now
             new = {k: v - self._reported.get(k, 0) for k, v in self.counters.items() if k.startswith("dropped")}
             self._reported = dict(self.counters)
-            log.warning("notify datagrams dropped (not from a unit's own processes, or over the rate limit)",
+            log.warning("notify datagrams dropped (not from a unit's own processes, over the rate limit, or fds cut)",
                         **{k: v for k, v in new.items() if v})
 
     def _readable(self) -> None:

@@ -237,3 +237,75 @@ def test_flood_of_fdstore_datagrams_keeps_the_daemon_bounded_and_responsive(daem
     assert "omnid_fdstore_fds 2" in m.splitlines(), m[-3000:]
     dropped = [int(x.rsplit(" ", 1)[1]) for x in m.splitlines() if 'outcome="dropped_rate"' in x]
     assert dropped and dropped[0] > 1000, m[-3000:]  # the unit's rate limit, fds closed with the datagrams
+
+
+def test_each_instance_has_its_own_store_and_a_reload_that_removes_one_closes_it(daemon_factory, tmp_path):
+    rep = tmp_path / "r"
+    st = make_stack({"w": unit_toml(rep, "many", "1").replace(
+                         f'"{rep}"', f'"{rep}-%i"') + "instances = 3\n"})
+    d = daemon_factory(st)
+    for i in (0, 1, 2):
+        report(Path(f"{rep}-{i}"), d.wait_state(f"w@{i}", "active")["pid"])
+    wait_for(lambda: memfds(d.pid) == 3, 10, "one memfd stored by each instance")
+    pid = kill_and_wait_back(d, "w@1")
+    r = report(Path(f"{rep}-1"), pid)
+    assert r["LISTEN_FDS"] == "1" and r["LISTEN_FDNAMES"] == "m", r  # its own only, not its sibling's
+    assert memfds(d.pid) == 3
+    (st / "w.toml").write_text((st / "w.toml").read_text().replace("instances = 3", "instances = 2"))
+    res = d.ok("reload", timeout=60)
+    assert "w@2" in json.dumps(res), res
+    wait_for(lambda: memfds(d.pid) == 2, 10, "the removed instance's memfd closed by the reload")
+    pid = kill_and_wait_back(d, "w@0")
+    assert report(Path(f"{rep}-0"), pid)["LISTEN_FDS"] == "1"
+
+
+# ------------------------------------------------------------------ the notify socket itself
+_CTRUNC = r"""
+import os, resource, socket, array, sys
+from omnid.notify import NotifyServer
+got = []
+srv = NotifyServer(os.urandom(8).hex(), lambda pid, f: None, attribute=lambda pid: "u",
+                   on_fds=lambda unit, fields, fds: got.append(fds))
+c = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+c.connect("\0" + srv.address[1:])
+r, w = os.pipe()
+anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [r] * 10).tobytes())]
+c.sendmsg([b"FDSTORE=1"], anc)
+os.close(r); os.close(w)
+before = sorted(int(x) for x in os.listdir("/proc/self/fd"))
+# Room for 3 more fds only: the kernel installs what fits and says MSG_CTRUNC.
+resource.setrlimit(resource.RLIMIT_NOFILE, (before[-1] + 4, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+srv._readable()
+resource.setrlimit(resource.RLIMIT_NOFILE, (4096, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+after = sorted(int(x) for x in os.listdir("/proc/self/fd"))
+c.sendmsg([b"FDSTORE=1"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [c.fileno()]).tobytes())])
+srv._readable()
+print(srv.counters["dropped_truncated"], before == after, len(got), len(got[0]) if got else -1)
+"""
+
+
+def test_a_message_whose_fds_were_cut_is_dropped_with_the_fds_that_arrived():
+    """MSG_CTRUNC (the receiver's fd table full): the fds that did arrive are closed, the
+    message is not stored; the next message is."""
+    import subprocess
+
+    out = subprocess.run([PY, "-c", _CTRUNC], capture_output=True, text=True, timeout=30, cwd=str(REPO),
+                         env=dict(os.environ, PYTHONPATH=repo_pythonpath()))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1].split() == ["1", "True", "1", "1"], out.stdout + out.stderr
+
+
+def test_a_reload_that_lowers_fd_store_max_restarts_the_unit_with_the_first_fds_only(daemon_factory, tmp_path):
+    rep = tmp_path / "r"
+    st = make_stack({"u": unit_toml(rep, "many", "3", max_=3)})
+    d = daemon_factory(st)
+    pid = d.wait_state("u", "active")["pid"]
+    report(rep, pid)
+    wait_for(lambda: memfds(d.pid) == 3, 10, "3 stored memfds")
+    (st / "u.toml").write_text(unit_toml(rep, "many", "3", max_=1))
+    d.ok("reload", timeout=60)
+    pid2 = wait_for(lambda: (u := d.unit("u"))["state"] == "active" and u["pid"] != pid and u["pid"], 20,
+                    "u restarted by the reload")
+    r = report(rep, pid2)
+    assert r["LISTEN_FDS"] == "1" and r["fds"][0]["content"] == "m0", r
+    assert memfds(d.pid) == 1, links(d.pid)

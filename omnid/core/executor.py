@@ -200,7 +200,7 @@ class Executor:
                 sup.feed(rt, E.SPAWN_FAILED, str(exc))
                 return
         stored: list[int] = []
-        if spec.fd_store_max > 0 and sup.fdstore.count(rt.name):
+        if sup.fdstore.count(rt.name):  # a limit lowered (to 0 too) by a reload closes the rest here
             try:  # copies, closed once sent: a stored fd may hang up (and close) meanwhile
                 stored, stored_names = sup.fdstore.dup_for(rt.name)
             except OSError as exc:

@@ -97,6 +97,7 @@ def test_memfd_and_socket_given_back_after_sigkill_with_content(daemon_factory, 
     first = report(rep, pid)
     assert first["LISTEN_FDS"] is None, first
     wait_for(lambda: memfds(d.pid) == 1, 10, "the daemon holding the stored memfd")
+    assert d.unit("u")["fd_store"] == 2, d.unit("u")  # omnid status says so too
     for _ in range(2):
         pid = kill_and_wait_back(d)
         check_given_back(report(rep, pid), pid, port)

@@ -419,6 +419,8 @@ class Supervisor:
                 snap["gpu_mib"] = self.gpu_mib[n]
             if n in degraded:
                 snap["degraded"] = degraded[n]
+            if self.units[n].spec.fd_store_max > 0:  # fds it keeps in the daemon (omnid.fdstore)
+                snap["fd_store"] = self.fdstore.count(n)
             if self.crosshost is not None and (group := self.crosshost.status(self.units[n])) is not None:
                 snap["group"] = group
             if self.cgroups:

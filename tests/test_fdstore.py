@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from omnid.units import check_stack
 from tests.harness import REPO, free_port, make_stack, repo_pythonpath, wait_for
 
@@ -86,13 +88,16 @@ def test_fd_store_max_errors_name_file_and_key():
 
 
 # ------------------------------------------------------------------ kept and given back
-def test_memfd_and_socket_given_back_after_sigkill_with_content(daemon_factory, tmp_path):
+@pytest.mark.parametrize("path", ["compiled", "python"])
+def test_memfd_and_socket_given_back_after_sigkill_with_content(daemon_factory, tmp_path, path):
     """The unit (ready = "started": NOTIFY_SOCKET comes with fd_store_max alone) stores a memfd
-    and a listening socket, is SIGKILLed, and gets both back: named, the memfd's content, the
-    socket accepting. Stored fds stay stored after they are given back: a second SIGKILL too."""
+    and a listening socket, is SIGKILLed, and gets both back on either spawn path: named, the
+    memfd's content, the socket accepting. Stored fds stay stored after they are given back:
+    a second SIGKILL too."""
     port = free_port()
     rep = tmp_path / "r"
-    d = daemon_factory(make_stack({"u": unit_toml(rep, "store", str(port))}))
+    d = daemon_factory(make_stack({"u": unit_toml(rep, "store", str(port))}),
+                       env={"OMNID_SPAWNER_PYTHON": "1" if path == "python" else "0"})
     pid = d.wait_state("u", "active")["pid"]
     first = report(rep, pid)
     assert first["LISTEN_FDS"] is None, first

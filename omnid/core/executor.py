@@ -190,7 +190,7 @@ class Executor:
         if residue is not None:  # what an unkillable previous instance left in its cgroup
             log.warning("killing residue in a unit's cgroup before its start", unit=rt.name, cgroup=residue.path)
             await terminate(residue, signal.SIGKILL, spec.kill_timeout, 0.0, send_cont=False)
-        extra = groups.environment(sup, rt)
+        extra = dict(groups.environment(sup, rt))
         listen: list[int] = []
         names: list[str] = []
         if spec.sockets:

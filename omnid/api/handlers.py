@@ -194,7 +194,7 @@ class ControlHandlers:
         if names is None:
             raise ControlError("bad_request", "stop needs \"units\"; to stop the whole stack use \"shutdown\"")
         self.known(names)
-        recs = await self.sup.requests.stop_units(names, timeout_arg(args))
+        recs = await self.sup.requests.stop_units(names, timeout_arg(args), for_good=True)
         return {"summary": [r.to_json() for r in recs], "units": self.sup.snapshot()}
 
     async def handle_restart(self, args: dict) -> dict:

@@ -407,6 +407,12 @@ class HealthServer:
             f = page.counter("omnid_notify_datagrams_total", "notify datagrams received, accepted or dropped")
             for what, n in notify.items():
                 f.add(n, outcome=what)
+        store = getattr(self.sup, "fdstore", None)
+        if store is not None:  # omnid.process.fdstore: what units handed over, and what was refused
+            f = page.counter("omnid_fdstore_fds_total", "fds sent to the fd store, by outcome")
+            for what, n in store.counters.items():
+                f.add(n, outcome=what)
+            page.gauge("omnid_fdstore_fds", "fds held in the fd store now").add(len(store.fds()))
         ch = getattr(self.sup, "crosshost", None)
         if ch is not None:  # worker groups across hosts (omnid.cluster)
             from omnid.cluster.metrics import write as cluster_metrics

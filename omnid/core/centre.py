@@ -23,6 +23,7 @@ from omnid.process.handle import ProcessHandle
 from omnid.model.units import Stack
 
 if TYPE_CHECKING:  # type names only: none of these imports omnid.core.centre
+    from omnid.process.fdstore import FdStore
     from omnid.process.cgroup import CgroupRoot
     from omnid.core.exitbook import ExitBook
     from omnid.core.policy import Decision
@@ -162,6 +163,9 @@ class Centre(Protocol):
 
     @property
     def sockets(self) -> HeldSockets: ...
+
+    @property
+    def fdstore(self) -> FdStore: ...
 
     def feed(self, rt: UnitRuntime, event: Event, detail: str = "") -> None: ...
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import signal
 import time
 from collections.abc import Callable, Coroutine
@@ -187,15 +188,33 @@ class Executor:
         if residue is not None:  # what an unkillable previous instance left in its cgroup
             log.warning("killing residue in a unit's cgroup before its start", unit=rt.name, cgroup=residue.path)
             await terminate(residue, signal.SIGKILL, spec.kill_timeout, 0.0, send_cont=False)
-        extra = groups.environment(sup, rt)
+        extra = dict(groups.environment(sup, rt))
         listen: list[int] = []
+        names: list[str] = []
         if spec.sockets:
             try:  # bound before the unit's first start, held from then on (omnid.process.sockets)
                 listen, names = sup.sockets.fds_for(spec)
             except BindError as exc:
                 sup.feed(rt, E.SPAWN_FAILED, str(exc))
                 return
+        stored: list[int] = []
+        if sup.fdstore.count(rt.name):  # a limit lowered (to 0 too) by a reload closes the rest here
+            try:  # copies, closed once sent: a stored fd may hang up (and close) meanwhile
+                stored, stored_names = sup.fdstore.dup_for(rt.name)
+            except OSError as exc:
+                sup.feed(rt, E.SPAWN_FAILED, f"cannot copy the unit's stored fds: {exc.strerror}")
+                return
+            listen, names = [*listen, *stored], [*names, *stored_names]  # after its sockets, as systemd
+        if listen:
             extra = {**extra, "LISTEN_FDS": str(len(listen)), "LISTEN_FDNAMES": ":".join(names)}
+        try:
+            await self._spawn_with(rt, reason, extra, listen)
+        finally:
+            for fd in stored:
+                os.close(fd)
+
+    async def _spawn_with(self, rt: UnitRuntime, reason: str, extra: dict[str, str], listen: list[int]) -> None:
+        sup, spec = self.sup, rt.spec
         try:
             if self.cleanup is not None:  # the previous instance's leftovers gone; TMPDIR
                 extra = {**await self.cleanup.before_spawn(rt), **extra}

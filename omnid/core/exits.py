@@ -37,6 +37,7 @@ import structlog
 
 from omnid.base import linux
 from omnid.core.centre import Centre
+from omnid.core.exitbook import ExitBook
 from omnid.core.executor import EXIT_STATUS_WAIT_S
 from omnid.core.lifecycle import Event, UnitState
 from omnid.core.runtime import UnitRuntime

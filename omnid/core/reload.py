@@ -252,3 +252,4 @@ class Reloader:
             sup.executor.forget(name)
         sup.replace_stack(new, units)
         sup.sockets.keep_only(new.units.values())  # a changed one is replaced at the unit's start
+        sup.fdstore.keep_only(new.units)  # a removed instance's stored fds are closed

@@ -123,7 +123,10 @@ class OperatorRequests:
         await self._wait(claims, lambda: all(sup.schedule.settled_up(self.units[n]) for n in back), timeout)
         return [self.units[n].snapshot() for n in back]
 
-    async def stop_units(self, names: list[str] | None, timeout: float | None = None) -> list[StopRecord]:
+    async def stop_units(self, names: list[str] | None, timeout: float | None = None, *,
+                         for_good: bool = False) -> list[StopRecord]:
+        """`for_good`: the operator's `omnid stop`: each named unit that is down at the end has
+        its fd store emptied (a restart, or a stop for a reload, keeps it)."""
         sup = self.sup
         targets = sup.expand(names) if names else list(sup.order)
         closure = self._requirers(targets) if names else set(targets)  # the whole stack needs no walk
@@ -135,7 +138,14 @@ class OperatorRequests:
             rt.book.restart_pending = False
         claims = self._claim(targets, "stop")
         sup.kick()
-        await self._wait(claims, lambda: all(sup.schedule.settled_down(self.units[n]) for n in closure), timeout)
+        try:
+            await self._wait(claims, lambda: all(sup.schedule.settled_down(self.units[n]) for n in closure), timeout)
+        finally:
+            if for_good:  # after the stop: a unit may store its state as it stops, for a restart
+                for n in targets:
+                    rt = self.units[n]
+                    if rt.goal_seq == claims[n] and sup.schedule.settled_down(rt):
+                        sup.fdstore.drop(n, "stopped by the operator")
         return [self.units[n].last_stop for n in reversed(sup.order)  # type: ignore[misc]
                 if self.units[n].last_stop is not None and self.units[n].last_stop is not before[n]]
 

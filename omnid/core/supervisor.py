@@ -41,6 +41,7 @@ from omnid.core.runtime import RestartBook, UnitRuntime
 from omnid.core.schedule import Schedule
 from omnid.process.output import UnitOutput
 from omnid.process.handle import ProcessHandle
+from omnid.process.fdstore import FdStore
 from omnid.process.sockets import HeldSockets
 from omnid.process.spawnclient import ExitReport, SpawnerClient
 from omnid.base.tasks import report_crash
@@ -98,6 +99,8 @@ class Supervisor:
         self.reloader = Reloader(self)
         self.crosshost: CrossHost | None = None  # set by the daemon with [cluster]
         self.sockets = HeldSockets()  # units' listening sockets, held across their restarts
+        # fds units keep in the daemon (FDSTORE=1), per instance; the daemon starts its watch
+        self.fdstore = FdStore(lambda n: self.units[n].spec.fd_store_max if n in self.units else 0)
         self._queue: collections.deque[tuple[UnitRuntime, Event, str]] = collections.deque()
         self._feeding = False
         self._converge_pending = False
@@ -344,6 +347,8 @@ class Supervisor:
                 snap["gpu_mib"] = self.gpu_mib[n]
             if n in degraded:
                 snap["degraded"] = degraded[n]
+            if self.units[n].spec.fd_store_max > 0:  # fds it keeps in the daemon (omnid.process.fdstore)
+                snap["fd_store"] = self.fdstore.count(n)
             if self.crosshost is not None and (group := self.crosshost.status(self.units[n])) is not None:
                 snap["group"] = group
             if self.cgroups:

@@ -26,7 +26,8 @@ def handover(sup: Centre) -> dict:
         books[key] = rt.book.to_json()
         units[name] = {**rt.to_json(), "book": key, "output": rt.output.handover()}
     return {"units": units, "books": books, "started_at": sup.started_at,
-            "invariant_violations": list(sup.invariant_violations), "sockets": sup.sockets.handover()}
+            "invariant_violations": list(sup.invariant_violations), "sockets": sup.sockets.handover(),
+            "fdstore": sup.fdstore.to_json()}
 
 
 def take_over(sup: Centre, d: dict) -> None:
@@ -52,6 +53,7 @@ def take_over(sup: Centre, d: dict) -> None:
             sup.adopt(rt, h)
     # The units' listening sockets, still open (a program before them hands over none).
     sup.sockets.take_over(d.get("sockets") or {}, {n: rt.spec for n, rt in sup.units.items()})
+    sup.fdstore.take_over(d.get("fdstore") or {}, sup.units)  # the units' fd stores (omnid.process.fdstore)
     for rt in sup.units.values():  # a worker group's members share one book again
         if rt.spec.worker_group:
             rt.book = books[f"group:{rt.spec.worker_group}"]

@@ -42,6 +42,7 @@ from typing import Any
 
 import structlog
 
+from omnid.process import fdstore
 from omnid.base import linux
 
 log = structlog.get_logger("omnid.daemon.handover")
@@ -272,6 +273,7 @@ def record(daemon: Any, check: ProgramCheck) -> tuple[dict[str, Any], list[int]]
         rec["cluster"] = sup.crosshost.handover()
         fds.append(rec["cluster"]["session"]["peers"]["fd"])
     fds.extend(sup.sockets.fds())  # units' listening sockets: never closed, so never refused
+    fds.extend(sup.fdstore.fds())  # units' stored fds (omnid.process.fdstore)
     for rt in sup.units.values():
         if rt.proc is not None:
             fds.append(rt.proc.pidfd)
@@ -442,6 +444,7 @@ def validate(rec: dict[str, Any], stack: Any) -> None:
     for name, held in (sup.get("sockets") or {}).items():  # units' listening sockets (omnid.process.sockets)
         if not all(fd_alive(int(h["fd"])) and str(h["listen"]) for h in held):
             raise ValueError(f"unit {name}: a listening socket's fd is not open")
+    fdstore.check_record(sup.get("fdstore") or {})  # units' stored fds
     books = {str(k): RestartBook.from_json(b) for k, b in sup["books"].items()}
     float(sup["started_at"])
     for name, u in sup["units"].items():

@@ -197,7 +197,8 @@ class Daemon:
             self.spawner.adopt(int(sp["pid"]), int(sp["pidfd"]), int(sp["sock"]), int(sp["start_time"]),
                                sp["exec_path"] if isinstance(sp.get("exec_path"), str) else None)
         self.notify = NotifyServer(self.token, self._on_notify, attribute=self._notify_sender,
-                                   fd=None if takeover is None else int(takeover["notify"]["fd"]))
+                                   fd=None if takeover is None else int(takeover["notify"]["fd"]),
+                                   on_fds=self._on_fds)
         if takeover is not None:
             self.notify.counters.update({k: int(v) for k, v in takeover["notify"]["counters"].items()})
         self.notify.start()
@@ -212,6 +213,7 @@ class Daemon:
                               on_pids_changed=self._schedule_state_write,
                               check_invariants=os.environ.get("OMNID_CHECK_INVARIANTS") == "1",
                               gpu=self.gpu, cgroups=self.cgroups)
+        self.sup.fdstore.start()  # stored fds that hang up are dropped (omnid.process.fdstore)
         faults, refused = Faults.from_environ()
         if refused:
             log.error("test fault injection refused", reason=refused)
@@ -382,6 +384,7 @@ class Daemon:
         await self._close_front()
         self.notify.close()
         self.sup.sockets.close_all()  # every unit is stopped: their sockets (and socket files) go
+        self.sup.fdstore.close_all()
         await self.spawner.shutdown()
         if self.cleanup is not None:
             self.cleanup.close()
@@ -557,6 +560,13 @@ class Daemon:
 
     def _notify_sender(self, pid: int) -> str | None:
         return self.sup.monitors.sender_unit(pid) if self.sup is not None else None
+
+    def _on_fds(self, unit: str, fields: dict[str, str], fds: list[int]) -> None:
+        if self.sup is None:
+            for fd in fds:
+                os.close(fd)
+            return
+        self.sup.fdstore.offer(unit, fields, fds)
 
     def _on_notify(self, pid: int, fields: dict[str, str]) -> None:
         if self.sup is not None:

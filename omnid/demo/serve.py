@@ -29,6 +29,7 @@ import os
 import signal
 import socket
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -248,9 +249,22 @@ class ServeApp:
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        # Transports that got an answer: at a stop, a connection accepted but not answered yet
+        # is waited for, an idle keep-alive one is not (its transport is in here).
+        self.answered: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
         self.app = web.Application(client_max_size=1 << 20)
+        self.app.on_response_prepare.append(self._answered)
         self.app.add_routes([web.post("/v1/generate", self.generate), web.get("/health", self.health),
                              web.post("/drain", self.drain)])
+
+    async def _answered(self, request: web.Request, _response: web.StreamResponse) -> None:
+        if request.transport is not None:
+            self.answered.add(request.transport)
+
+    def unanswered(self, connections: list) -> int:
+        """Accepted connections that have not had an answer yet (their request may still be
+        in the kernel's buffer: closing them now would reset them)."""
+        return sum(1 for c in connections if c.transport is not None and c.transport not in self.answered)
 
     async def drain(self, _request: web.Request) -> web.Response:
         """Stop taking work; answer once every accepted request is answered."""
@@ -329,7 +343,12 @@ def held_sockets() -> list[socket.socket]:
 
 # asyncio's create_server(sock=...) calls listen() again: ask for no less than omnid's default.
 HELD_BACKLOG = 1024
-STOP_SETTLE_S = 0.5  # at a stop signal: longest wait for accepted connections to be answered (503)
+# At a stop signal: longest wait for the connections accepted before the listener closed to be
+# answered (503). asyncio accepts up to a backlog's worth (1024) in one turn, and a process that
+# took a burst just before the stop (the backlog a restart left) may need seconds on a loaded
+# host to answer each; one closed before its request is read is reset. Below the unit's
+# stop_timeout (5 s in units/demo/serve.toml), so that the stop never ends in a SIGKILL.
+STOP_SETTLE_S = 3.0
 
 
 async def serve_forever(config: ServeConfig) -> int:
@@ -371,6 +390,17 @@ async def serve_forever(config: ServeConfig) -> int:
         return 1
 
     async def stop_accepting(settle_s: float = 0.0) -> None:
+        # Accept no more, then let the connections asyncio accepted in its last batch attach to
+        # the server before it closes: a connection whose accept task runs after Server.close()
+        # is neither served nor closed (asyncio's Server._attach asserts the server is open, and
+        # _accept_connection2 swallows the error), and is reset when the process exits.
+        for site in sites:
+            server = getattr(site, "_server", None)  # the asyncio Server behind an aiohttp site
+            for s in getattr(server, "sockets", None) or ():
+                loop.remove_reader(s.fileno())
+        deadline = loop.time() + 1.0
+        while any(_accepting(t) for t in asyncio.all_tasks()) and loop.time() < deadline:
+            await asyncio.sleep(0)
         for site in sites:
             await site.stop()
         sites.clear()
@@ -381,8 +411,11 @@ async def serve_forever(config: ServeConfig) -> int:
         deadline = loop.time() + settle_s
         if settle_s:
             await asyncio.sleep(min(settle_s, 0.05))
-        while runner.server is not None and runner.server.connections and loop.time() < deadline:
+        while runner.server is not None and serve.unanswered(runner.server.connections) and loop.time() < deadline:
             await asyncio.sleep(0.01)
+        left = serve.unanswered(runner.server.connections) if runner.server is not None else 0
+        if settle_s and left:
+            log.warning("%d accepted connection(s) still unanswered after %.1f s: closed", left, settle_s)
 
     notifier = Notifier.from_env()  # only used when the unit says ready = "notify"
     notifier.ready(status=f"listening on {where}")
@@ -401,6 +434,11 @@ async def serve_forever(config: ServeConfig) -> int:
     notifier.close()
     log.info("stopped on %s in %.3f s", why, time.monotonic() - started)
     return 1 if crashed else 0
+
+
+def _accepting(task: asyncio.Task) -> bool:
+    """A task of asyncio's that turns an accepted connection into a transport, not done yet."""
+    return not task.done() and getattr(task.get_coro(), "__name__", "") == "_accept_connection2"
 
 
 def _name(s: socket.socket) -> str:

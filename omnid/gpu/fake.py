@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from omnid.gpu.backend import GpuInfo, GpuProcess, MigInfo, say_once
-from omnid.gpu.bounded import BoundedCaller, GpuUnreadable
+from omnid.gpu.bounded import BoundedCaller
 from omnid.gpu.events import XidEvent, XidEventThread
 from omnid.gpu.faults import GpuCondition, GpuFaults, read_conditions, remap_condition, stuck_threads
 from omnid.gpu.items import GpuItem, is_mig

@@ -22,7 +22,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
-from omnid.model.unitmodel import DEFAULT_TITLE, KillMode, NumaMode, Ready, RestartPolicy, UpdatePolicy
+from omnid.model.unitmodel import DEFAULT_TITLE, MAX_PASSED_FDS, KillMode, NumaMode, Ready, RestartPolicy, UpdatePolicy
 from omnid.model.unitvalues import (MAX_INSTANCES, argv, boolean, cgroup_amount, choice, drain, env, gpus, group_hosts,
                               group_name, integer, limits, nonempty_string, numa, parse_signal, ready, seconds,
                               seconds_at_most, string, string_list)
@@ -51,7 +51,7 @@ class UnitKey:
 
 
 RUN, ORDER, HEALTH, STOP = "What to run", "Order and dependencies", "Readiness and health", "Stopping"
-RESTARTING, SOCKETS, GROUPS = "Restarting", "Listening sockets", "Worker groups"
+RESTARTING, SOCKETS, FDSTORE, GROUPS = "Restarting", "Listening sockets", "The fd store", "Worker groups"
 R, S, I = OnChange.RESTART, OnChange.SUPERVISION, OnChange.INSTANCES
 
 UNIT_KEY_TABLE: tuple[UnitKey, ...] = (
@@ -95,6 +95,7 @@ UNIT_KEY_TABLE: tuple[UnitKey, ...] = (
     UnitKey("sockets", SOCKETS, None, (), R, "listening sockets held by the daemon, passed from fd 3"),
     UnitKey("update", RESTARTING, choice(UpdatePolicy), UpdatePolicy.RESTART, S, "how a reload replaces instances"),
     UnitKey("max_unavailable", RESTARTING, integer(1, MAX_INSTANCES), 1, S, "instances a roll takes down at a time"),
+    UnitKey("fd_store_max", FDSTORE, integer(0, MAX_PASSED_FDS), 0, R, "fds the unit may keep in the daemon (FDSTORE=1)"),
     # The template's own keys: read after the keys above (omnid.model.unitfile).
     UnitKey("instances", RUN, integer(1, MAX_INSTANCES), 1, I, "how many units the file defines (NAME@0, ...)"),
     UnitKey("after", ORDER, string_list, (), S, "units that must be ready before this one starts"),

@@ -16,7 +16,7 @@ from typing import Any
 from omnid.model.cluster import parse_cluster
 from omnid.base.ownership import UnsafePath, read_unit_file
 from omnid.model.keys import TEMPLATE_KEYS, UNIT_KEY_BY_NAME, UNIT_KEY_TABLE, UNIT_KEYS
-from omnid.model.unitmodel import DaemonSettings, ListenSocket, Liveness, LogFormat, Progress, ReadyKind, TorchDistributed, UnitFileError, UpdatePolicy
+from omnid.model.unitmodel import MAX_PASSED_FDS, DaemonSettings, ListenSocket, Liveness, LogFormat, Progress, ReadyKind, TorchDistributed, UnitFileError, UpdatePolicy
 from omnid.model.unitvalues import InvalidValue, Table, argv, boolean, choice, describe, integer, nonempty_string, quote, seconds, string, string_list, parse_host_port
 
 
@@ -110,6 +110,9 @@ def parse_unit_file(file: Path, name: str, raw: Mapping[str, Any], errors: list[
         v["progress"] = _progress(file, raw["progress"], errors)
     if "sockets" in raw:
         v["sockets"] = _sockets(file, raw["sockets"], errors)
+    if v["fd_store_max"] + len(v["sockets"]) > MAX_PASSED_FDS:
+        t.error("fd_store_max", f"expected at most {MAX_PASSED_FDS - len(v['sockets'])} with {len(v['sockets'])} "
+                f"sockets (a unit is passed at most {MAX_PASSED_FDS} fds), got {v['fd_store_max']}")
     if v["watchdog_sec"] > 0 and v["ready"].kind is not ReadyKind.NOTIFY:
         t.error("watchdog_sec", f'needs ready = "notify" (the watchdog is fed by WATCHDOG=1 notifications), '
                 f'got ready = "{v["ready"].kind}"')  # fmt: skip

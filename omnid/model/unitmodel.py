@@ -140,6 +140,11 @@ class ListenSocket:
         return self.listen.startswith("/")
 
 
+# fd_store_max at most: a unit's passed fds (held sockets and stored fds) travel to the spawner
+# in one datagram with its stdout and stderr, and the kernel's SCM_MAX_FD is 253.
+MAX_PASSED_FDS = 248
+
+
 class UpdatePolicy(StrEnum):
     """How a restart or reload replaces the instances of a unit with `instances > 1`."""
 
@@ -260,6 +265,7 @@ class Unit:
     sockets: tuple[ListenSocket, ...] = ()  # held by the daemon, passed from fd 3 (omnid.process.sockets)
     update: UpdatePolicy = UpdatePolicy.RESTART  # how a reload replaces its instances (omnid.core.reload)
     max_unavailable: int = 1  # instances a roll takes down at a time
+    fd_store_max: int = 0  # fds the unit may keep in the daemon's fd store (omnid.process.fdstore); 0 = off
 
     @property
     def dependencies(self) -> tuple[str, ...]:
@@ -279,9 +285,9 @@ class Unit:
         env["OMNID_INSTANCE"] = str(self.instance)
         env["OMNID_INSTANCES"] = str(self.instances)
         env["SPT_NOENV"] = "1"  # setproctitle would otherwise wipe /proc/PID/environ (the OMNID_UNIT tag)
-        if notify_socket is not None and self.ready.kind is ReadyKind.NOTIFY:
-            env["NOTIFY_SOCKET"] = notify_socket
-            if self.watchdog_sec > 0:
+        if notify_socket is not None and (self.ready.kind is ReadyKind.NOTIFY or self.fd_store_max > 0):
+            env["NOTIFY_SOCKET"] = notify_socket  # a unit with an fd store speaks sd_notify whatever `ready` says
+            if self.watchdog_sec > 0 and self.ready.kind is ReadyKind.NOTIFY:
                 # sd_watchdog_enabled() in the child reads this to learn the interval.
                 env["WATCHDOG_USEC"] = str(int(self.watchdog_sec * 1_000_000))
         return env

@@ -45,20 +45,20 @@ def cmd_daemon(a: argparse.Namespace) -> int:
     from omnid import linux, spawnstart
 
     if a.takeover is not None:  # omnid reexec: the spawner runs on; the new program takes it over
-        from omnid import daemon
+        from omnid import command
 
-        return daemon.run(a.units, a.control, a.state_dir, a.health_listen, a.log_format, log_file=a.log_file,
-                          cgroup_root=a.cgroup_root, takeover=a.takeover)
+        return command.run_daemon_command(a.units, a.control, a.state_dir, a.health_listen, a.log_format,
+                                          log_file=a.log_file, cgroup_root=a.cgroup_root, takeover=a.takeover)
     # The spawner first, by exec, while this process is small and has no thread: its
     # interpreter starts while the daemon loads the rest of itself (the first unit waits for
     # the longer of the two, not for both). Inherited fds stay out of it.
     linux.mark_fds_non_inheritable()
     spawner = spawnstart.launch()
     try:
-        from omnid import daemon
+        from omnid import command
 
-        return daemon.run(a.units, a.control, a.state_dir, a.health_listen, a.log_format, log_file=a.log_file,
-                          cgroup_root=a.cgroup_root, spawner=spawner)
+        return command.run_daemon_command(a.units, a.control, a.state_dir, a.health_listen, a.log_format,
+                                          log_file=a.log_file, cgroup_root=a.cgroup_root, spawner=spawner)
     finally:
         spawner.close()  # only when the daemon stopped before taking it over
 

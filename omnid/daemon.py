@@ -298,6 +298,14 @@ class Daemon:
         self.reexec = report_crash(asyncio.get_running_loop().create_task(handover.hand_over(self, check)),
                                    "re-exec")
 
+    # Called by omnid.handover.hand_over, which may be a newer program's (imported at the
+    # `reexec` request, after an upgrade in place): these names stay as they are.
+    async def close_for_exec(self) -> None:
+        await fronts.close_for_exec(self)
+
+    async def reopen_after_failed_exec(self) -> None:
+        await fronts.reopen_after_failed_exec(self)
+
     # -- callbacks --------------------------------------------------------------
     def _publish(self, ev: dict) -> None:
         if self.sup is not None:

@@ -14,6 +14,11 @@ pid, and keeps every unit running (omnid(8), RE-EXEC). This module is both halve
 
 The record's format (every field, its type, the version) is omnid.reexecrecord's.
 
+This module is imported when `omnid reexec` is asked, so after an upgrade in place the old
+program runs the NEW hand_over: what it calls on the daemon (`sup`, `control._tasks`,
+`close_for_exec`, `reopen_after_failed_exec`, the attributes reexecrecord.collect reads)
+must stay the same in every program.
+
 With [cluster], the other hosts must not see this host leave: joins under way get a moment
 to finish, the cluster session stops its loops without giving its etcd lease back and
 renews it once more, and the record carries the lease, the groups (phase, generation, the
@@ -43,7 +48,7 @@ from typing import Any
 
 import structlog
 
-from omnid import fronts, linux, reexecrecord
+from omnid import linux, reexecrecord
 
 log = structlog.get_logger("omnid.handover")
 
@@ -215,8 +220,10 @@ async def hand_over(daemon: Any, check: ProgramCheck) -> None:
             if why is not None:
                 log.error("re-exec abandoned", reason=why)
                 return
-        await fronts.replies_sent(daemon, 2.0, 0.005)  # the reexec reply goes out first
-        await fronts.close_for_exec(daemon)
+        deadline = time.monotonic() + 2.0
+        while daemon.control._tasks and time.monotonic() < deadline:  # the reexec reply goes out first
+            await asyncio.sleep(0.005)
+        await daemon.close_for_exec()
         if sup.crosshost is not None:  # last: the lease is renewed as close to the exec as can be
             from omnid.cluster.session import ExecRefused
 
@@ -247,7 +254,7 @@ async def hand_over(daemon: Any, check: ProgramCheck) -> None:
         log.error("re-exec failed; this program goes on", error=str(exc))
         if cluster_paused:
             sup.crosshost.session.resume_after_failed_exec()
-        await fronts.reopen_after_failed_exec(daemon)
+        await daemon.reopen_after_failed_exec()
     finally:
         sup.frozen = False
         sup.kick()

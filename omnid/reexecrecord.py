@@ -17,7 +17,14 @@ new program reads it back before it takes anything over. This module owns:
 Each part still collects its own state (`handover`/`to_json` of the spawner client, the
 supervisor's units, their output, the cgroup root, ...) and takes it over; the names and
 shapes they use are the ones declared here, and tests/test_reexecrecord.py checks a live
-daemon's record against this schema strictly (a field not declared here fails it).
+daemon's record against this schema strictly (a field not declared here fails it). The
+cluster's part is the one exception: its records (omnid/cluster: SessionRecord, GroupRecord,
+Generation, GroupDown) are typed and bounded where they are defined, and read by their own
+`from_json`; here they are named by type.
+
+After an upgrade in place, `collect` and `write` run in the OLD program but are this
+module's code (omnid.handover imports it at the `reexec` request): they read only names of
+the daemon that every program has (see omnid.handover).
 
 Changing the record: a new field that a newer program needs is added to its part and
 here as optional; a field renamed, removed or changed in shape or meaning bumps FORMAT

@@ -238,7 +238,7 @@ def test_gpu_watch_that_crashes_is_restarted_fake_gpu_no_hardware(monkeypatch, t
     """No GPU on this machine: the GPU backend is the fake one. The real watch loop gets
     an exception injected into its policy once; it is logged, restarted, and then
     publishes the degraded units."""
-    from omnid.daemon import main as daemon_mod
+    from omnid.daemon import parts as daemon_mod
     from omnid.gpu import watch
     from omnid.gpu.fake import FakeGpuBackend, write_fake_gpu_file
 

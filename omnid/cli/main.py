@@ -46,20 +46,20 @@ def cmd_daemon(a: argparse.Namespace) -> int:
     from omnid.process import spawnstart
 
     if a.takeover is not None:  # omnid reexec: the spawner runs on; the new program takes it over
-        from omnid.daemon import main as daemon
+        from omnid.daemon import command
 
-        return daemon.run(a.units, a.control, a.state_dir, a.health_listen, a.log_format, log_file=a.log_file,
-                          cgroup_root=a.cgroup_root, takeover=a.takeover)
+        return command.run_daemon_command(a.units, a.control, a.state_dir, a.health_listen, a.log_format,
+                                          log_file=a.log_file, cgroup_root=a.cgroup_root, takeover=a.takeover)
     # The spawner first, by exec, while this process is small and has no thread: its
     # interpreter starts while the daemon loads the rest of itself (the first unit waits for
     # the longer of the two, not for both). Inherited fds stay out of it.
     linux.mark_fds_non_inheritable()
     spawner = spawnstart.launch()
     try:
-        from omnid.daemon import main as daemon
+        from omnid.daemon import command
 
-        return daemon.run(a.units, a.control, a.state_dir, a.health_listen, a.log_format, log_file=a.log_file,
-                          cgroup_root=a.cgroup_root, spawner=spawner)
+        return command.run_daemon_command(a.units, a.control, a.state_dir, a.health_listen, a.log_format,
+                                          log_file=a.log_file, cgroup_root=a.cgroup_root, spawner=spawner)
     finally:
         spawner.close()  # only when the daemon stopped before taking it over
 
@@ -624,7 +624,7 @@ def man_page(page: str) -> Path | None:
     share/man), else in the checkout an editable install runs from."""
     sect = MAN_PAGES[page]
     for candidate in (Path(sys.prefix) / "share" / "man" / f"man{sect}" / f"{page}.{sect}",
-                      Path(__file__).resolve().parents[2] / "man" / f"{page}.{sect}"):
+                      Path(__file__).resolve().parent.parent / "man" / f"{page}.{sect}"):
         if candidate.is_file():
             return candidate
     return None

@@ -29,7 +29,7 @@ async def open_cluster(daemon: Any, takeover: dict | None = None) -> bool:
     try:
         daemon.cluster = ClusterSession(daemon.stack.settings.cluster)  # reads the TLS files
         crosshost = CrossHost(daemon.sup, daemon.cluster)
-        if takeover is not None and takeover.get("cluster") is not None:  # checked by handover.validate
+        if takeover is not None and takeover.get("cluster") is not None:  # checked by reexecrecord.check_against_stack
             crosshost.take_over(read_handover(takeover["cluster"], daemon.stack, {
                 g: daemon.sup.units[names[0]].book.generation for g, names in daemon.stack.groups.items()}))
         await daemon.cluster.open()

@@ -9,7 +9,15 @@ pid, and keeps every unit running (omnid(8), RE-EXEC). This module is both halve
   spawner's socket and pidfd, the notify and health sockets, the state directory's
   lock, each unit's pidfd and output pipes) and execs
   `python -m omnid daemon --takeover FD`;
-- the new program: reads it back and takes every fd over where the old one left it.
+- the new program: reads it back and takes every fd over where the old one left it
+  (omnid.daemon.Daemon.continue_after_reexec), or, when it cannot, falls back (below).
+
+The record's format (every field, its type, the version) is omnid.daemon.record's.
+
+This module is imported when `omnid reexec` is asked, so after an upgrade in place the old
+program runs the NEW hand_over: what it calls on the daemon (`sup`, `control._tasks`,
+`close_for_exec`, `reopen_after_failed_exec`, the attributes reexecrecord.collect reads)
+must stay the same in every program.
 
 With [cluster], the other hosts must not see this host leave: joins under way get a moment
 to finish, the cluster session stops its loops without giving its etcd lease back and
@@ -31,8 +39,6 @@ says why, and starts the stack afresh -- never a process left unmanaged.
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import os
 import signal
 import sys
@@ -42,18 +48,15 @@ from typing import Any
 
 import structlog
 
-from omnid.process import fdstore
 from omnid.base import linux
+from omnid.daemon import record as reexecrecord
 
 log = structlog.get_logger("omnid.daemon.handover")
 
-FORMAT = 1  # the handover's own version: a new program refuses a format it does not know
-MAX_BYTES = 1 << 30  # what the new program reads at most
 CHECK_TIMEOUT_S = 15.0  # the new program's `--version` must answer by then
 MAX_CHECK_OUTPUT = 1 << 16  # of what it prints, kept for the answer (the rest is read and dropped)
 QUIESCE_TIMEOUT_S = 10.0  # spawns and stops under way must end by then, or the re-exec is refused
 JOIN_WAIT_S = 3.0  # (within it) joins of groups across hosts under way get this long to finish
-FAULT_ENV = "OMNID_FAULT_HANDOVER"  # test hook (omnid(8)): "corrupt" writes an unreadable handover
 
 
 class HandoverError(Exception):
@@ -154,59 +157,7 @@ async def check_new_program(timeout: float = CHECK_TIMEOUT_S) -> ProgramCheck:
     return ProgramCheck(tuple(argv), text.splitlines()[0].split(" ", 1)[1])
 
 
-# ------------------------------------------------------------------ the record
-def encode_sources(sources: dict[str, bytes]) -> dict[str, str]:
-    return {name: base64.b64encode(data).decode() for name, data in sources.items()}
-
-
-def decode_sources(d: dict[str, str]) -> dict[str, bytes]:
-    return {str(name): base64.b64decode(text) for name, text in d.items()}
-
-
-def write_memfd(record: dict[str, Any]) -> int:
-    """The record in a memfd that survives exec (no close-on-exec); returns its fd."""
-    data = json.dumps(record).encode()
-    if os.environ.get(FAULT_ENV) == "corrupt":
-        data = b"\x00{not json" + data[: len(data) // 3]
-    fd = os.memfd_create("omnid-handover", 0)
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-
-def read_memfd(fd: int) -> dict[str, Any]:
-    """The record a previous program wrote; ValueError saying what is wrong with it."""
-    try:
-        size = os.fstat(fd).st_size
-        if size > MAX_BYTES:
-            raise ValueError(f"handover of {size} bytes is over the {MAX_BYTES} bytes limit")
-        chunks, left = [], size
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-    except OSError as exc:
-        raise ValueError(f"cannot read the handover (fd {fd}): {exc}") from None
-    finally:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    try:
-        record = json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"the handover is not valid JSON: {exc}") from None
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise ValueError(f"the handover's format is {record.get('format') if isinstance(record, dict) else '?'!r}, "
-                         f"this program reads format {FORMAT}")
-    return record
-
-
+# ------------------------------------------------------------------ the old program's side
 def keep_across_exec(fds: list[int]) -> None:
     for fd in fds:
         os.set_inheritable(fd, True)
@@ -238,47 +189,6 @@ def fd_alive(fd: int) -> bool:
         return True
     except OSError:
         return False
-
-
-# ------------------------------------------------------------------ the old program's side
-def record(daemon: Any, check: ProgramCheck) -> tuple[dict[str, Any], list[int]]:
-    """Everything the next program needs, and the fds it must inherit."""
-    from omnid.core import takeover as takeover_mod
-    from omnid.version import version
-
-    sup = daemon.sup
-    cfg = daemon.cfg
-    rec = {
-        "format": FORMAT,
-        "from_version": version(), "to_version": check.version, "reexecs": daemon.reexecs,
-        "token": daemon.token,
-        "settings": {"units_dir": cfg.units_dir, "control": cfg.control, "state_dir": cfg.state_dir,
-                     "health_listen": cfg.health_listen, "log_format": cfg.log_format,
-                     "cgroup_root": cfg.cgroup_root, "sources": [list(x) for x in cfg.sources],
-                     "log_file": daemon.log_file},
-        "stack": {"directory": str(daemon.stack.directory), "sources": encode_sources(dict(daemon.stack.sources))},
-        "systemd": daemon.service.handover(),
-        "spawner": daemon.spawner.handover(),
-        "notify": {"fd": daemon.notify.sock.fileno(), "counters": dict(daemon.notify.counters)},
-        "health": {"fd": daemon.health_fd},
-        "lock_fd": daemon.lock_fd,
-        "cgroup": daemon.cgroups.handover() if daemon.cgroups is not None else None,
-        "settled": daemon.settled.is_set(),
-        "supervisor": takeover_mod.handover(sup),
-        "metrics": daemon.metrics.handover(),
-        "cleanup": daemon.cleanup.handover() if daemon.cleanup is not None else None,
-    }
-    fds = [rec["spawner"]["pidfd"], rec["spawner"]["sock"], rec["notify"]["fd"], daemon.health_fd, daemon.lock_fd]
-    if sup.crosshost is not None:  # [cluster]: the same lease, groups and heartbeat socket
-        rec["cluster"] = sup.crosshost.handover()
-        fds.append(rec["cluster"]["session"]["peers"]["fd"])
-    fds.extend(sup.sockets.fds())  # units' listening sockets: never closed, so never refused
-    fds.extend(sup.fdstore.fds())  # units' stored fds (omnid.process.fdstore)
-    for rt in sup.units.values():
-        if rt.proc is not None:
-            fds.append(rt.proc.pidfd)
-        fds.extend(rt.output.pipe_fds())
-    return rec, fds
 
 
 async def _joins_settled(crosshost: Any, deadline: float) -> None:
@@ -328,9 +238,9 @@ async def hand_over(daemon: Any, check: ProgramCheck) -> None:
                 raise OSError(why)
         if not sup.idle():  # a death while the front closed: it is handled here, not half-handed over
             raise OSError("a unit became busy while the daemon closed its sockets")
-        rec, fds = record(daemon, check)
+        rec, fds = reexecrecord.collect(daemon, check)
         rec["exec_at"] = time.monotonic()  # the same clock in the next program: it times the handover
-        memfd = write_memfd(rec)
+        memfd = reexecrecord.write(rec)
         keep_across_exec([*fds, memfd])
         log.info("re-executing", program=" ".join(check.argv), to_version=check.version, units=len(sup.units),
                  fds=len(fds))
@@ -352,16 +262,6 @@ async def hand_over(daemon: Any, check: ProgramCheck) -> None:
 
 
 # ------------------------------------------------------------------ the new program's side
-def settings_of(rec: dict[str, Any]) -> Any:
-    from omnid.model.settings import DaemonConfig
-
-    st = rec["settings"]
-    return DaemonConfig(units_dir=str(st["units_dir"]), control=str(st["control"]), state_dir=str(st["state_dir"]),
-                        health_listen=str(st["health_listen"]), log_format=str(st["log_format"]),
-                        cgroup_root=None if st["cgroup_root"] is None else str(st["cgroup_root"]),
-                        sources=tuple((str(k), str(v)) for k, v in st["sources"]))
-
-
 def stop_what_is_provably_ours(state_dir: str, units_dir: str, why: str) -> list[str]:
     """The handover could not be read: stop every unit process this daemon can prove its own
     (the state file: pid + start time + this daemon's token), cleanly -- each group gets its
@@ -425,53 +325,3 @@ def reap_old_children(timeout: float = 10.0) -> None:
             log.error("children of the previous program did not exit", pids=kids)
             return
         time.sleep(0.01)
-
-
-def validate(rec: dict[str, Any], stack: Any) -> None:
-    """Everything the new program will take over, checked before anything is: a handover
-    that fails half-way through being taken over must never happen (ValueError, KeyError or
-    TypeError naming what is wrong)."""
-    from omnid.core.runtime import RestartBook, UnitRuntime
-    from omnid.process.output import UnitOutput
-
-    for key in ("spawner", "notify", "health"):
-        for name, fd in rec[key].items():
-            if name in ("pidfd", "sock", "fd") and not fd_alive(int(fd)):
-                raise ValueError(f"{key}.{name}: fd {fd} is not open")
-    if not fd_alive(int(rec["lock_fd"])):
-        raise ValueError(f"lock_fd {rec['lock_fd']} is not open")
-    sup = rec["supervisor"]
-    for name, held in (sup.get("sockets") or {}).items():  # units' listening sockets (omnid.process.sockets)
-        if not all(fd_alive(int(h["fd"])) and str(h["listen"]) for h in held):
-            raise ValueError(f"unit {name}: a listening socket's fd is not open")
-    fdstore.check_record(sup.get("fdstore") or {})  # units' stored fds
-    books = {str(k): RestartBook.from_json(b) for k, b in sup["books"].items()}
-    float(sup["started_at"])
-    for name, u in sup["units"].items():
-        spec = stack.units.get(name)
-        if spec is None:
-            raise ValueError(f"unit {name} was handed over but is not in the stack")
-        if u["book"] not in books:
-            raise ValueError(f"unit {name}: restart book {u['book']!r} missing")
-        rt = UnitRuntime(spec=spec, book=books[u["book"]], output=UnitOutput(name, echo=False))
-        rt.load_json(u)
-        if rt.proc is not None and not fd_alive(rt.proc.pidfd):
-            raise ValueError(f"unit {name}: pidfd {rt.proc.pidfd} is not open")
-        out = u["output"]
-        for ts, stream, line in out["lines"]:
-            float(ts), str(stream), str(line)
-        for k in ("lines_total", "lines_truncated", "echo_dropped", "evicted_for_bytes", "read_pauses"):
-            int(out[k])
-        for pd in out["pipes"]:
-            if not fd_alive(int(pd["fd"])):
-                raise ValueError(f"unit {name}: output pipe fd {pd['fd']} is not open")
-            str(pd["stream"]), str(pd["partial"])
-    if rec["cgroup"] is not None:
-        str(rec["cgroup"]["path"])
-        dict(rec["cgroup"]["units"])
-    if rec.get("cluster") is not None:  # absent: a program without it, or no [cluster] (a fresh session)
-        from omnid.core.crosshost import read_handover
-
-        read_handover(rec["cluster"], stack, {k[len("group:"):]: int(b["generation"]) for k, b in sup["books"].items()
-                                               if k.startswith("group:")})
-

@@ -316,16 +316,3 @@ class FdStore:
             if poll:
                 self._watch(unit, s)
         self.keep_only(units)
-
-
-def check_record(d: object) -> None:
-    """A handover's fd store record is well formed and each fd open (ValueError)."""
-    if not isinstance(d, dict):
-        raise ValueError("the fd store record is not a table")
-    for unit, held in d.items():
-        for it in held:
-            fd = int(it["fd"])
-            try:
-                os.fstat(fd)
-            except OSError:
-                raise ValueError(f"unit {unit}: a stored fd ({fd}) is not open") from None

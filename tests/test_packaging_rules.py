@@ -29,8 +29,8 @@ GRAFANA = REPO / "packaging" / "grafana"
 RULES = PROM / "omnid-alerts.yml"
 DASHBOARD = GRAFANA / "omnid-dashboard.json"
 # Where /metrics is written: every omnid_* name in them is a name omnid can export.
-METRIC_SOURCES = [REPO / "omnid" / "health.py", REPO / "omnid" / "metrics.py", REPO / "omnid" / "cluster" / "metrics.py",
-                  REPO / "omnid" / "cgroup.py"]
+METRIC_SOURCES = [REPO / "omnid" / "api" / "health.py", REPO / "omnid" / "api" / "metrics.py", REPO / "omnid" / "cluster" / "metrics.py",
+                  REPO / "omnid" / "process" / "cgroup.py"]
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 

@@ -139,8 +139,15 @@ class ControlServer:
         finally:
             os.umask(old)
 
-    def start(self) -> None:
+    def start(self) -> asyncio.Task:
+        """Start reading requests; the reader's task (the daemon supervises it)."""
         self._reader = asyncio.get_running_loop().create_task(self._serve())
+        return self._reader
+
+    @property
+    def replying(self) -> bool:
+        """Are replies still being worked out or sent?"""
+        return bool(self._tasks)
         if self._subs is None or self._subs.done():
             self._subs = asyncio.get_running_loop().create_task(self._count_subscriptions())
 

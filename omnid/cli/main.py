@@ -624,7 +624,7 @@ def man_page(page: str) -> Path | None:
     share/man), else in the checkout an editable install runs from."""
     sect = MAN_PAGES[page]
     for candidate in (Path(sys.prefix) / "share" / "man" / f"man{sect}" / f"{page}.{sect}",
-                      Path(__file__).resolve().parent.parent / "man" / f"{page}.{sect}"):
+                      Path(__file__).resolve().parents[2] / "man" / f"{page}.{sect}"):
         if candidate.is_file():
             return candidate
     return None

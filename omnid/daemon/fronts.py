@@ -108,9 +108,7 @@ def open_control(daemon: DaemonParts) -> None:
 
     def start_reader() -> asyncio.Task:
         assert daemon.control is not None
-        daemon.control.start()
-        assert daemon.control._reader is not None
-        return daemon.control._reader
+        return daemon.control.start()
 
     # Daemon-wide tasks are supervised: a crash is logged and the task restarted.
     daemon.control_reader = DaemonTask("control reader", start_reader).start()
@@ -119,7 +117,7 @@ def open_control(daemon: DaemonParts) -> None:
 async def replies_sent(daemon: DaemonParts, timeout: float, poll: float) -> None:
     """Let the replies under way go out (the `shutdown` or `reexec` reply) before the socket closes."""
     deadline = asyncio.get_running_loop().time() + timeout
-    while daemon.control is not None and daemon.control._tasks and asyncio.get_running_loop().time() < deadline:
+    while daemon.control is not None and daemon.control.replying and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(poll)
 
 

@@ -4,7 +4,7 @@ Which path from fork to exec a spawn takes (`may_hang`: a cwd or program on a fi
 can hang is forked, never vforked, read from the kernel's mount table without touching a
 mount), which programs the child may execve (the unit's PATH, searched as execvpe would), and
 the arguments each path's child gets ready-made: the placement's (sched_setaffinity,
-set_mempolicy) and the compiled call's (omnid._spawnc.spawn), users and groups resolved.
+set_mempolicy) and the compiled call's (omnid.process._spawnc.spawn), users and groups resolved.
 A spawn that cannot start is `Refused` here, before any fork.
 
 Nothing here forks or runs in a child; it runs in the spawner, so it stays light (the
@@ -47,7 +47,7 @@ def exec_candidates(path: str, env: dict) -> list[str]:
 
 def compiled_args(req: dict, out_fd: int, errout_fd: int, devnull: int, spawner_pid: int,
                   reset_signals: tuple[int, ...], placement: tuple | None) -> tuple:
-    """omnid._spawnc.spawn's arguments for one request. Names are resolved here, before the
+    """omnid.process._spawnc.spawn's arguments for one request. Names are resolved here, before the
     fork (Refused: no such user or group); bad values raise ValueError or TypeError."""
     env = req["env"]
     argv = req["argv"]

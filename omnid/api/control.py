@@ -142,14 +142,14 @@ class ControlServer:
     def start(self) -> asyncio.Task:
         """Start reading requests; the reader's task (the daemon supervises it)."""
         self._reader = asyncio.get_running_loop().create_task(self._serve())
+        if self._subs is None or self._subs.done():
+            self._subs = asyncio.get_running_loop().create_task(self._count_subscriptions())
         return self._reader
 
     @property
     def replying(self) -> bool:
         """Are replies still being worked out or sent?"""
         return bool(self._tasks)
-        if self._subs is None or self._subs.done():
-            self._subs = asyncio.get_running_loop().create_task(self._count_subscriptions())
 
     async def _count_subscriptions(self) -> None:
         """Subscriptions arrive once the publisher has applied them: count them. Unsubscribe

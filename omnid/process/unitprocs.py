@@ -29,7 +29,7 @@ from collections.abc import Container
 from typing import Protocol
 
 from omnid.base import linux
-from omnid.process.handle import ProcessHandle, Survivor, tagged, find_residue, group_alive
+from omnid.process.handle import UNIT_TAG, ProcessHandle, Survivor, find_residue, group_alive, tagged
 
 POLL_S = 0.005
 MAX_BACKOFF_S = 0.25  # wait_gone: the longest pause between two scans (off the loop) of a group
@@ -140,13 +140,20 @@ class GroupProcesses:
             if p.state in ("Z", "X"):
                 left = left or (p.ppid == self.spawner_pid and p.pgid == self.h.pgid)
                 continue
-            if not tagged(p.pid, self.unit, self.token):
+            if not tagged(p.pid, self.unit, self.token) and not self._dying_orphan(p):
                 continue
             left = True
             fd = linux.open_checked_pidfd(p.pid, p.start_time)
             if fd is not None:
                 fds.append(fd)
         return left, fds
+
+    def _dying_orphan(self, p: linux.ProcStat) -> bool:
+        """A member the spawner adopted whose tag cannot be read: a SIGKILLed process tearing
+        down its memory (a large engine takes a while) has no environment to read and is not
+        a zombie yet, but it still maps what the unit's cleanup must find unheld. Readably
+        another unit's process is never ours."""
+        return p.ppid == self.spawner_pid and linux.read_environ_var(p.pid, UNIT_TAG) is None
 
     async def wait_gone(self, deadline: float) -> bool:
         try:

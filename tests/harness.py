@@ -81,15 +81,18 @@ def make_stack(units: dict[str, str], settings: str | None = None) -> Path:
     return d
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> Any:
-    """Poll with a deadline (never a fixed sleep); fail with `what` on timeout."""
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str | Callable[[], str],
+             interval: float = 0.01) -> Any:
+    """Poll with a deadline (never a fixed sleep); fail with `what` on timeout. A callable
+    `what` is called then, so the message shows what was seen at the end, not at the start."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+            said = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {said}")
         time.sleep(interval)
 
 

@@ -184,9 +184,10 @@ def _fault(stack: Stack, role: str, sig: int) -> None:
                 seen["gone"] = now
             return len(seen) == 2
 
-        wait_for(watch, 120, f"after {signal.Signals(sig).name} of the {role} ({target.pid} {target.comm}): "
-                             f"omnid /health 503 (saw {sorted(set(health_seen))}) and every process of the old "
-                             f"tree gone (left: {tree.describe(tree.left())})", interval=0.005)
+        wait_for(watch, 120, lambda: f"after {signal.Signals(sig).name} of the {role} ({target.pid} {target.comm}): "
+                                     f"omnid /health 503 (saw {sorted(set(health_seen))}) and every process of "
+                                     f"the old tree gone (left: {tree.describe(tree.left())}); the unit: "
+                                     f"{stack.unit()}", interval=0.005)
         new_api = stack.wait_serving(not_pid=tree.api.pid)
         t_back = time.monotonic()
         wait_for(lambda: load.ok_after(t_back) >= 1, 60, "the request loop to get completions again")

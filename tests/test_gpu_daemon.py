@@ -133,6 +133,43 @@ def test_fake_gpu_memory_still_held_after_stop_is_reported_by_pid(tmp_path, daem
     assert u["state"] == "failed" and u["gpu_held"] == [f"pid {other} holds 1024 MiB on GPU 0"], u
 
 
+def test_fake_gpu_start_while_the_dead_workers_memory_is_released_is_not_lost(tmp_path, daemon_factory):
+    """`omnid start` of a failed unit whose GPU memory the driver has not freed yet: the start
+    waits for the release and then starts it (it used to answer "failed" at once, old reason,
+    and start nothing)."""
+    import os
+    import signal
+
+    fake = tmp_path / "gpu.json"
+    write_fake_gpu_file(fake, {"gpus": [{"index": 0, "total_mib": 8000}], "processes": []})
+    stack = make_stack({"worker": 'exec = ["sleep", "1000"]\ngpus = [0]\nkill_timeout = 10\n'})
+    d = daemon_factory(stack, env={"OMNID_DEVELOPER_FAKE_GPU": str(fake)})
+    old = d.wait_state("worker", "active")["pid"]
+    _held_by(fake, old)
+    os.kill(old, signal.SIGKILL)
+    d.wait_state("worker", "failed", timeout=5)
+    assert d.unit("worker")["pid"] in (None, old)
+    import json
+
+    import zmq
+
+    sock = d._ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"ipc://{d.control}")
+    try:
+        sock.send(json.dumps({"id": 1, "cmd": "start", "args": {"units": ["worker"], "timeout": 20}}).encode())
+        # The start is waiting on the release (the dead pid still holds its memory).
+        assert not sock.poll(300), f"start answered while the GPU memory is held: {sock.recv()}"
+        write_fake_gpu_file(fake, {"gpus": [{"index": 0, "total_mib": 8000}], "processes": []})
+        assert sock.poll(30_000), f"no reply to start\n{d.log()[-2000:]}"
+        reply = json.loads(sock.recv())
+    finally:
+        sock.close()
+    assert reply["ok"] and reply["result"]["ok"], f"{reply}\n{d.log()[-2000:]}"
+    u = d.unit("worker")
+    assert u["state"] == "active" and u["pid"] not in (None, old), u
+
+
 # --------------------------------------------------------------------------- GPU faults (omnid(8) GPU FAULTS)
 
 

@@ -112,7 +112,9 @@ class OperatorRequests:
             book.start_times.clear()
             book.consecutive_failures = 0
             book.ever_up = False
-            if (rt.state is S.FAILED and not rt.busy) or book.down_reason is not None:
+            # Failed and still busy (its GPU memory being released, a restart's spawn at the
+            # spawner) counts too: the start comes once that is over, instead of being lost.
+            if rt.state is S.FAILED or book.down_reason is not None:
                 book.restart_pending = True
                 book.restart_at = 0.0
             if rt.state in (S.INACTIVE, S.FAILED):

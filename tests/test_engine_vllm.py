@@ -195,7 +195,8 @@ def _fault(stack: Stack, role: str, sig: int) -> None:
     new_tree = full_tree(new_api)
     assert not {p.pid for p in new_tree.procs} & {p.pid for p in tree.left()}
     TIMINGS.append(f"{stack.backend} {signal.Signals(sig).name} {role}: tree gone {1000 * (seen['gone'] - t0):.0f} ms, "
-                   f"/health 503 {1000 * (seen['503'] - t0):.0f} ms, serving again {t_back - t0:.1f} s")
+                   f"/health 503 {1000 * (seen['503'] - t0):.0f} ms, serving again {t_back - t0:.1f} s "
+                   f"(omnid saw: {stack.unit()['last_exit']})")
     left = _residue_shm(shm_before, new_tree)
     if LANDED["remove_ipc"]:
         assert not left, f"/dev/shm objects of the killed tree left: {left}"

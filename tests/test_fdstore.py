@@ -300,6 +300,41 @@ def test_a_message_whose_fds_were_cut_is_dropped_with_the_fds_that_arrived():
     assert out.stdout.splitlines()[-1].split() == ["1", "True", "1", "1"], out.stdout + out.stderr
 
 
+_LINGER = r"""
+import socket, struct, time
+from omnid.base import closer
+from omnid.process.fdstore import FdStore
+from tests.test_hostile import _lingering_tcp_socket
+
+store = FdStore(lambda unit: 4)
+c, srv, peer = _lingering_tcp_socket(30)
+store.offer("u", {"FDSTORE": "1", "FDNAME": "s"}, [c.detach()])  # the store's fd is the only one now
+stored = store.count("u")
+t0 = time.monotonic()
+store.offer("u", {"FDSTOREREMOVE": "1", "FDNAME": "s"}, [])
+took = time.monotonic() - t0
+threaded = closer.status()["threaded"]
+peer.close()  # the peer gone: the lingering close ends
+deadline = time.monotonic() + 10
+while closer.status()["threads"] and time.monotonic() < deadline and closer.status()["stuck"]:
+    time.sleep(0.05)
+print(stored, store.count("u"), threaded, round(took, 3))
+"""
+
+
+def test_removing_a_stored_socket_whose_close_lingers_does_not_wait():
+    """A unit stores a TCP socket with SO_LINGER and unsent data, then removes it: the store
+    closes it off the loop (closer thread), not in the call (it would wait 30 s)."""
+    import subprocess
+
+    out = subprocess.run([PY, "-c", _LINGER], capture_output=True, text=True, timeout=60, cwd=str(REPO),
+                         env=dict(os.environ, PYTHONPATH=repo_pythonpath()))
+    assert out.returncode == 0, out.stderr
+    stored, left, threaded, took = out.stdout.splitlines()[-1].split()
+    assert (stored, left, threaded) == ("1", "0", "1"), out.stdout + out.stderr
+    assert float(took) < 1.0, f"FDSTOREREMOVE took {took} s: the lingering close ran in the call"
+
+
 def test_a_reload_that_lowers_fd_store_max_restarts_the_unit_with_the_first_fds_only(daemon_factory, tmp_path):
     rep = tmp_path / "r"
     st = make_stack({"u": unit_toml(rep, "many", "3", max_=3)})

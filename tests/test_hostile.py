@@ -11,6 +11,8 @@ import pwd
 import shutil
 import signal
 import subprocess
+import socket
+import struct
 import sys
 import time
 from pathlib import Path
@@ -306,6 +308,65 @@ def test_notify_flood_from_a_unit_is_rate_limited_and_death_still_detected(daemo
     assert c["dropped_rate"] > 40000, c
     assert c["dropped_foreign"] == 0, c
     assert seen < 1.0, f"death during the notify flood took {seen:.3f} s to show on /health"
+
+
+def _lingering_tcp_socket(linger_s: int) -> tuple[socket.socket, socket.socket, socket.socket]:
+    """A TCP socket whose close() waits `linger_s`: SO_LINGER on, its send queue full towards
+    a peer that never reads (returns it, the listener and the peer, which the caller closes)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    c = socket.socket()
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    c.connect(srv.getsockname())
+    peer, _ = srv.accept()
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    c.setblocking(False)
+    try:
+        while True:
+            c.send(b"x" * 65536)
+    except BlockingIOError:
+        pass
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger_s))
+    return c, srv, peer
+
+
+def test_fds_whose_close_waits_sent_to_the_notify_socket_do_not_stop_the_loop(daemon, tmp_path):
+    """Any local user can send fds to the notify socket (its abstract name is listed in
+    /proc/net/unix). A TCP socket with SO_LINGER and unsent data makes close() wait the linger
+    time: closed on the loop, it would stop death detection and the control socket for that
+    long. The daemon closes it off the loop; a death is still on /health within a second."""
+    prog = tmp_path / "flood.py"
+    prog.write_text(FLOODER)
+    d = daemon({"a": f'exec = ["{PY}", "{prog}", "0", "{tmp_path / "done"}"]\nready = "notify"\n',
+                "victim": 'exec = ["sleep", "1000"]\n'})
+    d.start()
+    addr = "\0" + notify_address(d.wait_state("a", "active")["pid"])[1:]
+    victim = d.wait_state("victim", "active")
+    linger, socks = 20, []
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        for _ in range(3):  # more than one: one stuck close must not hold up the next
+            c, srv, peer = _lingering_tcp_socket(linger)
+            socks += [srv, peer]
+            s.sendmsg([b"FDSTORE=1\nREADY=1"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                  struct.pack("i", c.fileno()))], socket.MSG_DONTWAIT, addr)
+            c.close()  # the daemon's copy is the last one now: its close() lingers
+        s.close()
+        wait_for(lambda: d.ok("status")["daemon"]["notify"]["dropped_foreign"] >= 3, 5, "the datagrams dropped")
+        t0 = time.monotonic()
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait_for(lambda: d.http("/health")[0] == 503, 5, "/health to say 503 while the closes linger")
+        seen = time.monotonic() - t0
+        closes = wait_for(lambda: (c := d.ok("status")["daemon"]["foreign_fd_closes"])["stuck"] >= 3 and c, 10,
+                          lambda: f"three closes under way in closer threads: {d.ok('status')['daemon']}")
+        assert closes["threads"] >= 3, closes
+        assert seen < 1.0, f"a death took {seen:.3f} s to show on /health while sent fds lingered"
+        _, text = d.http("/metrics")
+        assert "omnid_foreign_fd_closes_stuck 3" in text, [x for x in text.splitlines() if "foreign" in x]
+    finally:
+        for x in socks:
+            x.close()  # the peer gone: the lingering closes end at once
 
 
 # ------------------------------------------------------------------ 4. health connection flood

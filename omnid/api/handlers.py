@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from omnid.process import cgroup as cgroup_mod
 from omnid.forensics import capture as forensics
-from omnid.base import linux
+from omnid.base import closer, linux
 from omnid.process import output
 from omnid import gpu as gpu_mod
 from omnid.api.control import ControlError, Handler
@@ -124,6 +124,7 @@ class ControlHandlers:
                                                "shutting_down": sup.shutting_down,
                                                **cgroup_mod.backend(d.cgroups),
                                                "notify": dict(d.notify.counters) if d.notify else {},
+                                               "foreign_fd_closes": closer.status(),
                                                "gpu": gpu_mod.status(d.gpu, sup),
                                                "events": {"subscriptions": d.control.subscriptions
                                                           if d.control else 0},

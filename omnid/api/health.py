@@ -13,7 +13,7 @@ import psutil
 import structlog
 from aiohttp import web
 
-from omnid.base import promtext
+from omnid.base import closer, promtext
 from omnid.process.output import add_counters
 from omnid.process.handle import tree_usage
 from omnid.process.cgroup import backend as cgroup_backend
@@ -413,6 +413,12 @@ class HealthServer:
             for what, n in store.counters.items():
                 f.add(n, outcome=what)
             page.gauge("omnid_fdstore_fds", "fds held in the fd store now").add(len(store.fds()))
+        cl = closer.status()  # fds from outside closed off the loop (omnid.base.closer)
+        f = page.counter("omnid_foreign_fd_closes_total", "fds received from outside and closed, by how")
+        for what in ("inline", "threaded", "slow"):
+            f.add(cl[what], how=what)
+        page.gauge("omnid_foreign_fd_closes_stuck", "closes of fds from outside under way for over a second").add(
+            cl["stuck"])
         ch = getattr(self.sup, "crosshost", None)
         if ch is not None:  # worker groups across hosts (omnid.cluster)
             from omnid.cluster.metrics import write as cluster_metrics

@@ -4,7 +4,8 @@ One AF_UNIX datagram socket per daemon, in the abstract namespace. SO_PASSCRED
 makes the kernel attach the sender's pid to each message, which is how a
 message is attributed to a unit (by process group). `systemd-notify` follows
 its message with BARRIER=1 and a pipe fd and waits until the receiver closes
-it: every fd passed with SCM_RIGHTS is closed as soon as it arrives, except
+it: every fd passed with SCM_RIGHTS is closed as soon as it arrives (off the loop when
+its close could wait on a filesystem or a peer: omnid.base.closer), except
 those of an FDSTORE=1 message from a unit's own process within its rate limit,
 which go to the fd store (omnid.process.fdstore), which keeps or closes each. A message
 whose control data was cut (MSG_CTRUNC: more fds than SCM_MAX_FD, or the
@@ -23,6 +24,8 @@ import time
 from collections.abc import Callable
 
 import structlog
+
+from omnid.base import closer
 
 log = structlog.get_logger("omnid.api.notify")
 
@@ -137,7 +140,7 @@ class NotifyServer:
                 self._message(data, flags, pid, received)
             finally:
                 for fd in received:  # those not taken: the BARRIER=1 pipe, a dropped message's
-                    os.close(fd)  # closing the BARRIER=1 pipe releases the sender
+                    closer.close(fd)  # a pipe at once (it releases the sender); what may wait, off the loop
                     self.counters["fds_closed"] += 1
 
     def _message(self, data: bytes, flags: int, pid: int, fds: list[int]) -> None:

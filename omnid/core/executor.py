@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import signal
 import time
 from collections.abc import Callable, Coroutine
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from omnid.base import linux
+from omnid.base import closer, linux
 from omnid.process.cgroup import CgroupTarget
 from omnid.core import groups, policy, spawning
 from omnid.core.cleanup import CannotPrepare
@@ -210,8 +209,8 @@ class Executor:
         try:
             await self._spawn_with(rt, reason, extra, listen)
         finally:
-            for fd in stored:
-                os.close(fd)
+            for fd in stored:  # the last reference if the store dropped it meanwhile: off the loop
+                closer.close(fd)
 
     async def _spawn_with(self, rt: UnitRuntime, reason: str, extra: dict[str, str], listen: list[int]) -> None:
         sup, spec = self.sup, rt.spec

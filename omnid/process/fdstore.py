@@ -22,7 +22,9 @@ kernel's own objects, never of a file that a FUSE server would be asked about).
 
 Hang-ups are watched without a scan: each pollable stored fd is in one epoll set with no
 events asked (only EPOLLHUP and EPOLLERR, always reported), and that set's own fd is one
-reader of the loop. A stored fd whose peer hangs up is closed in the same turn.
+reader of the loop. A stored fd whose peer hangs up is closed in the same turn. Every close
+of a unit's fd goes through omnid.base.closer: a socket with SO_LINGER set, or a file a FUSE
+server never flushes, waits in a closer thread, never on the loop.
 
 Future package: process/ (beside sockets): imports nothing above the model.
 """
@@ -38,6 +40,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import structlog
+
+from omnid.base import closer
 
 log = structlog.get_logger("omnid.process.fdstore")
 
@@ -169,17 +173,17 @@ class FdStore:
                 fd = fds.pop(0)
                 kind = kind_of(fd)
                 if kind is None:
-                    os.close(fd)
+                    closer.close(fd)
                     self._refuse("refused_kind", unit, 1, "not a socket, pipe, memory file, eventfd, timerfd, "
                                  "signalfd or pidfd")
                     continue
                 ident = _ident(fd, kind)
                 if ident is not None and ident in idents:  # as systemd: the same object once (the new fd closed)
-                    os.close(fd)
+                    closer.close(fd)
                     self.counters["refused_duplicate"] += 1
                     continue
                 if len(held) >= limit:
-                    os.close(fd)
+                    closer.close(fd)
                     self._refuse("refused_over_limit", unit, 1, f"fd_store_max ({limit}) reached")
                     continue
                 s = Stored(fd, name, poll, kind, ident)
@@ -193,7 +197,7 @@ class FdStore:
                 self.units.pop(unit, None)
         finally:
             for fd in fds:  # whatever an error left: never leaked
-                os.close(fd)
+                closer.close(fd)
 
     def _remove(self, unit: str, name: str) -> None:
         held = self.units.get(unit, [])
@@ -295,7 +299,7 @@ class FdStore:
         # Out of the epoll set before the number can be reused (a dup elsewhere keeps the
         # file, and with it the registration, alive).
         self._unpoll(s.fd)
-        os.close(s.fd)
+        closer.close(s.fd)  # a unit's socket may linger for as long as it asked: off the loop
 
     # -- omnid reexec --------------------------------------------------------------------
     def to_json(self) -> dict:

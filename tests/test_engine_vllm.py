@@ -13,7 +13,7 @@ restart before it returns. Order matters and is the file's order:
   cgroup backend:   serving; SIGKILL/SIGTERM/SIGINT x API server/EngineCore/Worker under
                     load; the Worker hung (SIGSTOP); an abort storm; `omnid stop` under load;
                     Ctrl+C of the daemon
-  process groups:   SIGKILL x API server/EngineCore/Worker under load; SIGKILL of the daemon
+  process groups:   SIGKILL x API server/EngineCore under load; SIGKILL of the daemon
 
 Everything is checked against /proc and vLLM's own HTTP answers; omnid is asked only what
 the row is about (/health, status, dump).
@@ -299,10 +299,19 @@ def test_cgroup_abort_storm(cg):
                    f"{m['vllm:num_requests_running']:.0f}, waiting {m['vllm:num_requests_waiting']:.0f}")
 
 
+# Known to fail for a cause inside vLLM 0.32, not omnid: on SIGTERM its AsyncLLM.shutdown() shuts
+# the renderer (the tokenizer) down before the engine core drains, so requests get a 500 from
+# renderers/base.py within ~100 ms whatever --shutdown-timeout says (seen in every run). It costs
+# a stop and a start (~70 s of CI) to see it fail again: run it with OMNID_ENGINE_KNOWN_FAILURES=1
+# (an engine version that drains properly turns it into an XPASS).
+KNOWN_FAILURES = os.environ.get("OMNID_ENGINE_KNOWN_FAILURES") == "1"
+
+
 @needs("kill_mode")
-@pytest.mark.xfail(strict=False, reason="seen 2 runs of 2 on the shared VM: the 4 requests in flight get a 500 within "
-                   "~100 ms of `omnid stop` despite kill_mode = mixed and --shutdown-timeout 30; not yet isolated "
-                   "whether vLLM's SIGTERM path ignores the timeout here or the stop reaches its children")
+@pytest.mark.xfail(strict=False, run=KNOWN_FAILURES,
+                   reason="vLLM 0.32 shuts its renderer down before draining on SIGTERM: the requests in flight get "
+                          "a 500 at once despite kill_mode = mixed and --shutdown-timeout 30 "
+                          "(OMNID_ENGINE_KNOWN_FAILURES=1 runs it)")
 def test_cgroup_stop_under_load_mixed(cg):
     """`omnid stop vllm` under a request loop with kill_mode = "mixed": the API server gets
     SIGTERM alone and drains what it accepted (every request in flight completes in full),
@@ -362,8 +371,11 @@ def test_cgroup_invariants(cg):
     assert not bad, "the daemon's state disagreed with the kernel after a transition:\n" + "\n".join(bad[:10])
 
 
-# process-group backend: the key SIGKILL rows, then the daemon SIGKILLed.
-@pytest.mark.parametrize("role", ["api", "engine", "worker"])
+# process-group backend: the SIGKILLs that orphan (the API server's: EngineCore and Worker lose
+# their parent; the EngineCore's: the Worker does), where only the process group ties the
+# orphans to the unit; then the daemon SIGKILLed. The Worker's SIGKILL orphans nothing (its
+# parents tear the tree down themselves): the cgroup row covers it (each row costs a restart).
+@pytest.mark.parametrize("role", ["api", "engine"])
 def test_pgroup_sigkill(pg, role):
     _fault(pg, role, signal.SIGKILL)
 

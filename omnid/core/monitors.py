@@ -247,9 +247,13 @@ class Monitors:
                 pending = True
         if pending:
             # READY=1 can come before the spawner's reply: the environment proves it ours.
+            # Parentage first: reading a process's environment takes its mm lock, which a
+            # process of anyone's can keep busy (a page fault on its own FUSE file), so only
+            # a descendant of our spawner is read.
+            if not self._descends_from_spawner(pid):
+                return None
             tag = linux.read_environ_var(pid, UNIT_TAG)
-            if tag in self.sup.units and linux.read_environ_var(pid, DAEMON_TAG) == self.sup.token \
-                    and self._descends_from_spawner(pid):
+            if tag in self.sup.units and linux.read_environ_var(pid, DAEMON_TAG) == self.sup.token:
                 return tag
         return None
 

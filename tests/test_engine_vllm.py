@@ -299,18 +299,19 @@ def test_cgroup_abort_storm(cg):
                    f"{m['vllm:num_requests_running']:.0f}, waiting {m['vllm:num_requests_waiting']:.0f}")
 
 
-# Known to fail for a cause inside vLLM 0.32, not omnid: on SIGTERM its AsyncLLM.shutdown() shuts
-# the renderer (the tokenizer) down before the engine core drains, so requests get a 500 from
-# renderers/base.py within ~100 ms whatever --shutdown-timeout says (seen in every run). It costs
-# a stop and a start (~70 s of CI) to see it fail again: run it with OMNID_ENGINE_KNOWN_FAILURES=1
-# (an engine version that drains properly turns it into an XPASS).
+# Known to fail, seen in every run since it was written, and not traced to omnid: with
+# kill_mode = "mixed" only the API server gets SIGTERM, and vLLM 0.32's AsyncLLM.shutdown() then
+# closes the renderer's executors (the tokenizer) before the engine core drains, so requests
+# arriving during the drain fail in renderers/base.py with a 500; the ones in flight were seen
+# failing within ~100 ms too, which is not yet traced. It costs a stop and a start (~70 s of CI)
+# to see it fail again: OMNID_ENGINE_KNOWN_FAILURES=1 runs it (an XPASS once an engine drains).
 KNOWN_FAILURES = os.environ.get("OMNID_ENGINE_KNOWN_FAILURES") == "1"
 
 
 @needs("kill_mode")
 @pytest.mark.xfail(strict=False, run=KNOWN_FAILURES,
-                   reason="vLLM 0.32 shuts its renderer down before draining on SIGTERM: the requests in flight get "
-                          "a 500 at once despite kill_mode = mixed and --shutdown-timeout 30 "
+                   reason="vLLM 0.32 on SIGTERM closes its renderer before draining; the requests in flight get a "
+                          "500 at once despite kill_mode = mixed and --shutdown-timeout 30, not yet traced "
                           "(OMNID_ENGINE_KNOWN_FAILURES=1 runs it)")
 def test_cgroup_stop_under_load_mixed(cg):
     """`omnid stop vllm` under a request loop with kill_mode = "mixed": the API server gets

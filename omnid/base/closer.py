@@ -72,6 +72,11 @@ class _Pool:
                 fd, what = self._queue.popleft()
                 t0 = time.monotonic()
                 self.busy_since[me] = (t0, what)
+                if self._queue and self._idle == 0 and self._threads < MAX_THREADS:
+                    # more waiting and nobody free (two woken for one thread): this close
+                    # may be the one that never ends, so the next gets a thread of its own
+                    self._threads += 1
+                    threading.Thread(target=self._run, name="omnid-closer", daemon=True).start()
             try:
                 os.close(fd)
             except OSError:

@@ -41,7 +41,7 @@ import structlog
 from omnid.daemon import clusterwiring
 from omnid.daemon.parts import DaemonParts
 from omnid.daemon import fronts
-from omnid.base import linux
+from omnid.base import closer, linux
 from omnid.daemon import shutdown
 from omnid.daemon import startup
 from omnid.api.control import ControlError
@@ -340,8 +340,7 @@ class Daemon(DaemonParts):
 
     def _on_fds(self, unit: str, fields: dict[str, str], fds: list[int]) -> None:
         if self.sup is None:  # nothing to keep them in yet
-            for fd in fds:
-                os.close(fd)
+            closer.close_all(fds)
             return
         self.sup.fdstore.offer(unit, fields, fds)
 

@@ -333,18 +333,33 @@ def test_fm03_fm04_fm05_signalled_serve_fails_with_its_children_and_leaves_no_re
 # ------------------------------------------------------------- exit code 0
 def test_unrequested_exit_with_code_0_is_a_failure(tmp_path, daemon_factory):
     prog = write_prog(tmp_path)
+    go = tmp_path / "go"
     stack = make_stack({
-        "oneshot": 'exec = ["sh", "-c", "sleep 0.3; exit 0"]\n',
+        # exits 0 once told to (a fixed sleep raced the user's start on a loaded machine)
+        "oneshot": f'exec = ["sh", "-c", "while [ ! -e {go} ]; do sleep 0.02; done; exit 0"]\n',
         "user": f'{exec_line(prog, "--notify")}\nready = "notify"\nrequires = ["oneshot"]\n',
     })
     d = daemon_factory(stack)
+    d.wait_state("user", "active")
+    go.touch()
     u = d.wait_state("oneshot", "failed")
     assert u["reason"].startswith("exited with code 0 (pid "), u["reason"]
     assert u["last_exit_code"] == 0
     wait_for(lambda: health_names(d, "oneshot", "exited with code 0"), 5, "/health naming the exit code")
     # An exit nobody asked for fails the units that require it too.
     wait_for(lambda: d.unit("user")["state"] == "inactive" and "requires oneshot" in d.unit("user")["reason"], 10,
-             "user stopped because oneshot failed")
+             lambda: f"user stopped because oneshot failed: {d.unit('user')}")
+
+
+def test_a_unit_whose_requirement_failed_before_it_started_says_so(daemon_factory):
+    """The requirement exits (code 0, nobody asked) before the unit that requires it could
+    start: that unit stays down, and its reason names the requirement and why (it was empty)."""
+    d = daemon_factory(make_stack({"oneshot": 'exec = ["sh", "-c", "exit 0"]\n',
+                                   "user": 'exec = ["sleep", "1000"]\nrequires = ["oneshot"]\n'}))
+    d.wait_state("oneshot", "failed")
+    u = wait_for(lambda: (u := d.unit("user"))["reason"] and u, 5, lambda: f"a reason for user: {d.unit('user')}")
+    assert u["state"] == "inactive" and u["pid"] is None, u
+    assert u["reason"].startswith("not started: requires oneshot, which failed: exited with code 0"), u["reason"]
 
 
 def test_units_exiting_at_once_fail_even_when_the_exit_report_beats_the_spawn_reply(tmp_path, daemon_factory):

@@ -154,13 +154,21 @@ class Schedule:
     # ------------------------------------------------------------ reasons
     def refresh_waiting_reasons(self) -> None:
         """A unit stopped for a requirement keeps naming the current root cause (after
-        every converge)."""
+        every converge); so does one that wants to run but never started because a
+        requirement failed for good before it could (else its reason would be empty)."""
         for rt in self.units.values():
-            if rt.state is not S.INACTIVE or rt.busy or rt.cause is not Cause.REQUIREMENT:
+            if rt.state is not S.INACTIVE or rt.busy:
+                continue
+            if rt.cause is Cause.REQUIREMENT:
+                prefix = "stopped"
+            elif rt.goal is Goal.ACTIVE and (not rt.reason or rt.reason.startswith("not started: ")) \
+                    and self.stuck(rt):
+                prefix = "not started"
+            else:
                 continue
             for r in rt.spec.requires:
                 if self.down(self.units[r]):
-                    why = f"stopped: requires {self.root_cause(r)}"
+                    why = f"{prefix}: requires {self.root_cause(r)}"
                     if why != rt.reason:
                         rt.reason = why
                         self.sup.notify_changed()

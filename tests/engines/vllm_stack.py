@@ -69,7 +69,9 @@ def unit_toml(python: Path | str, model: Path | str, port: int, *, stall_sec: in
             "--enforce-eager",
             # On SIGTERM, finish the requests in flight for up to this long (vLLM's default, 0,
             # aborts them with a 500 at once): kill_mode = "mixed" then lets the drain happen.
-            "--shutdown-timeout", "30"]
+            # 10 s is ample for this model's requests (a few hundred ms each on CPU), and is
+            # what a hung Worker costs after detection (vLLM waits it out on the SIGTERM).
+            "--shutdown-timeout", "10"]
     lines = [
         'description = "vLLM CPU build, tiny local model (tests/engines)"',
         'role = "serve"',
@@ -85,7 +87,9 @@ def unit_toml(python: Path | str, model: Path | str, port: int, *, stall_sec: in
         "restart_max_sec = 2",
         "start_limit_burst = 30",
         "start_limit_interval = 3600",
-        "stop_timeout = 60",
+        # Above the drain (--shutdown-timeout 10); it is also what a hung tree costs when vLLM's
+        # own shutdown hangs on the stopped Worker (seen: 60 s with stop_timeout = 60).
+        "stop_timeout = 30",
         "kill_timeout = 20",
     ]
     if kill_mode and knows("kill_mode"):

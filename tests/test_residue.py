@@ -34,6 +34,10 @@ libc.sem_open.restype = ctypes.c_void_p
 libc.shmat.restype = ctypes.c_void_p
 mode, name = sys.argv[1], sys.argv[2]
 if mode == "hold":
+    # `after` orders the starts, not a's making the segment: wait for it (bounded)
+    deadline = time.monotonic() + 30
+    while not os.path.exists("/dev/shm/" + name) and time.monotonic() < deadline:
+        time.sleep(0.01)
     fd = os.open("/dev/shm/" + name, os.O_RDWR)
     m = mmap.mmap(fd, 4096)
     print("holding", name, flush=True)

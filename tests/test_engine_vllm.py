@@ -374,9 +374,9 @@ def test_cgroup_invariants(cg):
 
 # process-group backend: the SIGKILL that orphans the most (the API server's: EngineCore and
 # Worker both lose their parent, and only the process group ties them to the unit), then the
-# daemon SIGKILLed. The EngineCore's and the Worker's SIGKILL leave a parent alive that tears
-# the rest down itself (the cgroup rows cover them; each row costs a vLLM restart, ~50 s), and
-# the process-group backend's handling of an orphan is the same whichever process it lost.
+# daemon SIGKILLed. The EngineCore's SIGKILL orphans the Worker alone (the same case, one level
+# down) and the Worker's orphans nothing; the cgroup rows cover both (each row costs a vLLM
+# restart, ~50 s).
 def test_pgroup_sigkill_api(pg):
     _fault(pg, "api", signal.SIGKILL)
 

@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -79,6 +80,27 @@ def make_stack(units: dict[str, str], settings: str | None = None) -> Path:
     if settings is not None:
         (d / "omnid.toml").write_text(textwrap.dedent(settings))
     return d
+
+
+def lingering_tcp_socket(linger_s: int) -> tuple[socket.socket, socket.socket, socket.socket]:
+    """A TCP socket whose close() waits `linger_s`: SO_LINGER on, its send queue full towards
+    a peer that never reads (returns it, the listener and the peer, which the caller closes)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    c = socket.socket()
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    c.connect(srv.getsockname())
+    peer, _ = srv.accept()
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    c.setblocking(False)
+    try:
+        while True:
+            c.send(b"x" * 65536)
+    except BlockingIOError:
+        pass
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger_s))
+    return c, srv, peer
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str | Callable[[], str],

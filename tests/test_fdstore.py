@@ -304,10 +304,10 @@ _LINGER = r"""
 import socket, struct, time
 from omnid.base import closer
 from omnid.process.fdstore import FdStore
-from tests.test_hostile import _lingering_tcp_socket
+from tests.harness import lingering_tcp_socket
 
 store = FdStore(lambda unit: 4)
-c, srv, peer = _lingering_tcp_socket(30)
+c, srv, peer = lingering_tcp_socket(30)
 store.offer("u", {"FDSTORE": "1", "FDNAME": "s"}, [c.detach()])  # the store's fd is the only one now
 stored = store.count("u")
 t0 = time.monotonic()

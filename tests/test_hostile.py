@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from omnid.base import linux
-from tests.harness import Daemon, alive, make_stack, repo_pythonpath, wait_for
+from tests.harness import Daemon, alive, lingering_tcp_socket, make_stack, repo_pythonpath, wait_for
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parent.parent
@@ -310,27 +310,6 @@ def test_notify_flood_from_a_unit_is_rate_limited_and_death_still_detected(daemo
     assert seen < 1.0, f"death during the notify flood took {seen:.3f} s to show on /health"
 
 
-def _lingering_tcp_socket(linger_s: int) -> tuple[socket.socket, socket.socket, socket.socket]:
-    """A TCP socket whose close() waits `linger_s`: SO_LINGER on, its send queue full towards
-    a peer that never reads (returns it, the listener and the peer, which the caller closes)."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    c = socket.socket()
-    c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    c.connect(srv.getsockname())
-    peer, _ = srv.accept()
-    peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    c.setblocking(False)
-    try:
-        while True:
-            c.send(b"x" * 65536)
-    except BlockingIOError:
-        pass
-    c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger_s))
-    return c, srv, peer
-
-
 def test_fds_whose_close_waits_sent_to_the_notify_socket_do_not_stop_the_loop(daemon, tmp_path):
     """Any local user can send fds to the notify socket (its abstract name is listed in
     /proc/net/unix). A TCP socket with SO_LINGER and unsent data makes close() wait the linger
@@ -347,7 +326,7 @@ def test_fds_whose_close_waits_sent_to_the_notify_socket_do_not_stop_the_loop(da
     try:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         for _ in range(3):  # more than one: one stuck close must not hold up the next
-            c, srv, peer = _lingering_tcp_socket(linger)
+            c, srv, peer = lingering_tcp_socket(linger)
             socks += [srv, peer]
             s.sendmsg([b"FDSTORE=1\nREADY=1"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                                   struct.pack("i", c.fileno()))], socket.MSG_DONTWAIT, addr)

@@ -353,8 +353,10 @@ def test_unrequested_exit_with_code_0_is_a_failure(tmp_path, daemon_factory):
 
 def test_a_unit_whose_requirement_failed_before_it_started_says_so(daemon_factory):
     """The requirement exits (code 0, nobody asked) before the unit that requires it could
-    start: that unit stays down, and its reason names the requirement and why (it was empty)."""
-    d = daemon_factory(make_stack({"oneshot": 'exec = ["sh", "-c", "exit 0"]\n',
+    start: that unit stays down, and its reason names the requirement and why (it was empty).
+    The requirement waits for READY=1 and exits without it, so the dependent can never have
+    been started (a requirement that is up when it exits races the dependent's spawn)."""
+    d = daemon_factory(make_stack({"oneshot": 'exec = ["sh", "-c", "exit 0"]\nready = "notify"\n',
                                    "user": 'exec = ["sleep", "1000"]\nrequires = ["oneshot"]\n'}))
     d.wait_state("oneshot", "failed")
     u = wait_for(lambda: (u := d.unit("user"))["reason"] and u, 5, lambda: f"a reason for user: {d.unit('user')}")

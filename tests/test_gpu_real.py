@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -33,18 +32,15 @@ MODEL_MIB = 8192  # per worker: big enough that the driver's release takes measu
 
 
 @pytest.fixture
-def nvml() -> Iterator[NvmlBackend]:
-    backend = NvmlBackend()
-    if not backend.available:
-        pytest.skip(f"needs an NVIDIA GPU with NVML: {backend.reason}")
-    if not backend.pids_local:
-        backend.close()
+def nvml(real_nvml: NvmlBackend) -> NvmlBackend:
+    """The session's NVML (conftest's real_nvml: libnvidia-ml keeps fds from its first init
+    until the process exits, so opening it per test would show as a leak of the first test
+    run), with what these tests need beside it."""
+    if not real_nvml.pids_local:
         pytest.skip("NVML reports host pids in this PID namespace; per-pid checks impossible")
     if importlib.util.find_spec("torch") is None:
-        backend.close()
         pytest.skip("the demo worker needs torch, which is not installed")
-    yield backend
-    backend.close()
+    return real_nvml
 
 
 class Holder:

@@ -269,6 +269,61 @@ def test_reload_under_the_cgroup_backend_moves_only_the_changed_units_cgroups(da
         remove_cgroup_tree(root)
 
 
+def test_a_sighup_storm_folds_into_back_to_back_reloads_and_the_last_one_reads_the_newest_files(daemon_factory):
+    """SIGHUP every millisecond for 3 s at a running daemon. Each signal used to start a reload
+    of its own: the backlog grew faster than reloads ended, the control socket went silent for
+    over a minute after the storm, and once asyncio's signal wakeup socket filled, signals were
+    lost (the daemon then outlived its SIGTERM). Now the SIGHUPs that arrive during a reload
+    ask for one more reload after it: the daemon answers all along, the reloads stop with the
+    storm, and the last one sees a unit written just before the last SIGHUP."""
+    import threading
+
+    units_dir = make_stack({"a": SLEEP})
+    d = daemon_factory(units_dir)
+    d.wait_all_active()
+    stop = threading.Event()
+    sent = [0]
+
+    def storm() -> None:
+        while not stop.is_set():
+            d.proc.send_signal(signal.SIGHUP)
+            sent[0] += 1
+            time.sleep(0.001)
+
+    t = threading.Thread(target=storm)
+    t.start()
+    try:
+        slowest = 0.0
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            asked = time.monotonic()
+            d.ok("status", timeout=10)
+            slowest = max(slowest, time.monotonic() - asked)
+            time.sleep(0.1)
+        (units_dir / "b.toml").write_text(SLEEP)
+        d.proc.send_signal(signal.SIGHUP)
+    finally:
+        stop.set()
+        t.join(10)
+    wait_for(lambda: "b" in d.units(), 20, lambda: f"unit b, written before the last SIGHUP: {sorted(d.units())}")
+    done = lambda: sum(1 for e in d.log_events() if e.get("event") == "reload done")  # noqa: E731
+
+    def steady() -> int:
+        n = done()
+        time.sleep(0.3)
+        return done() == n and n
+
+    settled = wait_for(steady, 10, "the reloads to stop with the storm")
+    assert settled <= sent[0] + 1, (settled, sent[0])
+    folded = sum(e.get("signals", 1) for e in d.log_events() if e.get("event") == "SIGHUP: reloading the stack directory")
+    lost = d.log().count("Exception ignored when trying to write to the signal wakeup fd")
+    print(f"SIGHUPs sent {sent[0] + 1}, reloads {settled}, signals counted {folded}, lost {lost}, "
+          f"slowest status {slowest * 1000:.0f} ms")
+    assert lost == 0 and d.proc.poll() is None
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(30) == 0, d.log()[-3000:]
+
+
 def _sighup_taken(pid: int) -> bool:
     """The kernel's word that the process ignores or handles SIGHUP (bit 0 of SigIgn/SigCgt)."""
     try:

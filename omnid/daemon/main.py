@@ -309,13 +309,39 @@ class Daemon(DaemonParts):
             log.error("daemon task failed", task=task.get_coro().__qualname__, error=repr(task.exception()))
 
     def _on_hup(self) -> None:
-        log.info("SIGHUP: reloading the stack directory", units_dir=self.cfg.units_dir)
-        report_crash(asyncio.get_running_loop().create_task(self._reload_on_hup()), "reload on SIGHUP")
+        """SIGHUP asks the daemon to run what the stack directory says now. One reload at a
+        time: the SIGHUPs that arrive during one are folded into one more after it, which
+        reads the newest files. A storm of them costs back-to-back reloads at most, never a
+        backlog of one reload per signal, which starved the loop (no control reply, no
+        death seen) and, once asyncio's signal wakeup socket filled, lost signals, a SIGTERM
+        among them."""
+        if self.hup_reload is not None:
+            self.hup_folded += 1
+            return
+        self.hup_reload = report_crash(asyncio.get_running_loop().create_task(self._reloads_on_hup()),
+                                       "reload on SIGHUP")
+
+    async def _reloads_on_hup(self) -> None:
+        try:
+            signals = 1
+            while True:
+                self.hup_folded = 0
+                if self.handlers is None:  # the first tier is being spawned: nothing read yet can differ
+                    self.hup_early += signals
+                    if self.hup_early == signals:  # the first only: a storm must not flood the log
+                        log.warning("SIGHUP while the daemon starts: nothing to reload yet; send it again once "
+                                    "it is up (further SIGHUPs until then are not logged)")
+                    return
+                log.info("SIGHUP: reloading the stack directory", units_dir=self.cfg.units_dir, signals=signals)
+                await self._reload_on_hup()
+                signals = self.hup_folded
+                if not signals:
+                    return
+        finally:
+            self.hup_reload = None
 
     async def _reload_on_hup(self) -> None:
-        if self.handlers is None:  # the first tier is being spawned: nothing read yet can differ
-            log.warning("SIGHUP while the daemon starts: nothing to reload yet; send it again once it is up")
-            return
+        assert self.handlers is not None
         try:
             result = await self.handlers.handle_reload({})
         except ControlError as exc:

@@ -62,6 +62,9 @@ class DaemonParts:
         self.program_since = time.time()  # when this program of the daemon began (a re-exec begins another)
         self.handover_ms: float | None = None  # exec -> every unit taken over, at the last re-exec
         self.handlers: ControlHandlers | None = None  # once the first tier is out
+        self.hup_reload: asyncio.Task | None = None  # the reload SIGHUP runs: one at a time
+        self.hup_folded = 0  # SIGHUPs during that reload: they ask for one more, not one each
+        self.hup_early = 0  # SIGHUPs before there was anything to reload (the first is logged)
         self.zmq = None  # the zmq.asyncio.Context, made once the first tier is out
         self.health_fd = -1  # a dup of the health listening socket, kept for a re-exec
         self.lock_fd = -1  # the state directory's lock, held for the daemon's life

@@ -6,6 +6,12 @@ removal finished first, so a restart never meets its predecessor's objects), `sp
 `released` (the unit is inactive or failed: whatever `gone` did not do yet runs now, as a
 task, so a death's path to `failed` does not wait for it). The blocking work (a /proc
 scan, a tree removal) runs in a thread, bounded.
+
+A /dev/shm entry that a live process still holds at the removal is looked at again, on a
+backoff, for HELD_RETRY_S: the holder is often the unit's own last process, one the kernel
+could not tie to the unit (PostgreSQL's backends call setsid() and overwrite their
+environment, and exit when they see the postmaster gone, a moment after omnid saw the unit
+go). An entry held for longer, by a consumer that outlives the unit, is kept and logged.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ log = structlog.get_logger("omnid.cleanup")
 SETTLE_WAIT_S = 5.0  # a spawn waits at most this long for its predecessor's removal
 IPC_BUDGET_S = 5.0  # the /proc scan that proves nobody holds an object (~1 s for 2,000 processes here)
 TMP_BUDGET_S = 10.0
+HELD_RETRY_S = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8)  # ~25 s of looks at held /dev/shm entries
 
 
 class CannotPrepare(Exception):
@@ -56,6 +63,10 @@ class UnitCleanup:
         self.tmp: dict[str, privatetmp.TmpDir] = {}  # unit -> its live instance's directory
         self._due: set[str] = set()  # units whose instance is gone and not yet cleaned
         self._tasks: dict[str, asyncio.Task] = {}
+        # /dev/shm entries a live process held at the removal, looked at again (a task each)
+        self._held: dict[asyncio.Task, ipc.UnitIpc] = {}
+        self._held_taken: list[ipc.UnitIpc] = []  # handed over by the program before a re-exec
+        self._last_look = asyncio.Event()  # the daemon stops: every held entry gets its last look now
 
     # ------------------------------------------------------------ daemon life
     def start(self) -> None:
@@ -69,17 +80,25 @@ class UnitCleanup:
 
     async def sweep_previous(self) -> None:
         """Private directories a previous daemon (SIGKILLed) recorded and left; a re-exec's
-        live ones are kept."""
+        live ones are kept. Held /dev/shm entries the program before a re-exec was still
+        looking at are looked at again."""
+        taken, self._held_taken = self._held_taken, []
+        for u in taken:
+            self._look_again(u)
         if self.record is not None and self._previous:
             keep = {d.path for d in self.tmp.values()}
             previous, self._previous = self._previous, []
             await asyncio.to_thread(self.record.sweep, previous, keep)
 
     async def settle(self, timeout: float = SETTLE_WAIT_S) -> None:
-        """Every removal under way finished (the daemon's end), bounded."""
-        tasks = [t for t in self._tasks.values() if not t.done()]
+        """Every removal under way finished (the daemon's end, every unit stopped), bounded;
+        held entries get their last look at once."""
+        self._last_look.set()
+        tasks = [t for t in (*self._tasks.values(), *self._held) if not t.done()]
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
+        for t in self._held:
+            t.cancel()
 
     def close(self) -> None:
         if self.watch is not None:
@@ -88,7 +107,7 @@ class UnitCleanup:
 
     def handover(self) -> dict:
         return {"ipc": self.book.handover(), "tmp": {k: d.to_json() for k, d in self.tmp.items()},
-                "due": sorted(self._due)}
+                "due": sorted(self._due), "held": [u.to_json() for u in (*self._held.values(), *self._held_taken)]}
 
     def take_over(self, d: object) -> None:
         if not isinstance(d, dict):
@@ -103,6 +122,8 @@ class UnitCleanup:
                     self.record.dirs[td.path] = td
         due = d.get("due")
         self._due.update(str(x) for x in due if isinstance(x, str)) if isinstance(due, list) else None
+        held = d.get("held")
+        self._held_taken = [ipc.UnitIpc.from_json(u) for u in held] if isinstance(held, list) else []
 
     # ------------------------------------------------------------ a unit's instance
     async def before_spawn(self, rt: Any) -> dict[str, str]:
@@ -162,23 +183,53 @@ class UnitCleanup:
             # no tree to walk (a thread's hand-off costs a restart ~0.1 s on a loaded host).
             u = self.book.take(name)
             removed, kept = ipc.remove_sysv(u) if u is not None and spec.remove_ipc else ([], [])
-            tmp_left = None
+            tmp_left, held = None, None
         else:
-            removed, kept, tmp_left = await asyncio.to_thread(self._clean_blocking, name, d, bool(spec.remove_ipc))
+            removed, kept, tmp_left, held = await asyncio.to_thread(self._clean_blocking, name, d,
+                                                                    bool(spec.remove_ipc))
         if d is not None and self.record is not None and tmp_left is None:
             self.record.drop(d)
         if tmp_left is not None:
             log.warning("private tmp directory not fully removed", unit=name, why=tmp_left)
         if removed or kept:
             log.info("IPC residue", unit=name, removed=removed, kept=kept,
-                     ms=round((time.monotonic() - t0) * 1000, 1))
+                     ms=round((time.monotonic() - t0) * 1000, 1), **({"looked_at_again": sorted(held.shm)}
+                                                                   if held is not None else {}))
         rt.ipc_removed = removed
         if rec is not None:
             rec.ipc_removed = list(removed)
+        if held is not None:
+            self._look_again(held)
+
+    def _look_again(self, u: ipc.UnitIpc) -> None:
+        task = unit_task(self._held_looks(u), unit=u.unit, kind="cleanup", on_crash=lambda exc: None)
+        self._held[task] = u
+        task.add_done_callback(lambda t: self._held.pop(t, None))
+
+    async def _held_looks(self, u: ipc.UnitIpc) -> None:
+        """Held entries looked at again on a backoff: removed once nobody holds them."""
+        t0 = time.monotonic()
+        kept: list[str] = []
+        for delay in HELD_RETRY_S:
+            if not self._last_look.is_set():
+                try:
+                    await asyncio.wait_for(self._last_look.wait(), delay)
+                except asyncio.TimeoutError:
+                    pass
+            removed, kept, held = await asyncio.to_thread(ipc.remove_posix, u, IPC_BUDGET_S)
+            if removed:
+                log.info("IPC residue", unit=u.unit, removed=removed, kept=kept,
+                         after_s=round(time.monotonic() - t0, 2))
+            u.shm = held
+            if not held or self._last_look.is_set():
+                break
+        if u.shm:
+            log.warning("IPC residue kept: still held by a live process", unit=u.unit, kept=kept,
+                        after_s=round(time.monotonic() - t0, 1))
 
 
     def _clean_blocking(self, name: str, d: privatetmp.TmpDir | None,
-                        remove_ipc: bool) -> tuple[list[str], list[str], str | None]:
+                        remove_ipc: bool) -> tuple[list[str], list[str], str | None, ipc.UnitIpc | None]:
         # What the unit created just before it died may still be queued: read first.
         if self.watch is not None:
             self.watch.drain()
@@ -186,10 +237,14 @@ class UnitCleanup:
 
 
 def _remove(d: privatetmp.TmpDir | None, u: ipc.UnitIpc | None,
-            remove_ipc: bool) -> tuple[list[str], list[str], str | None]:
+            remove_ipc: bool) -> tuple[list[str], list[str], str | None, ipc.UnitIpc | None]:
+    """(removed, kept, what was left of the tmp directory, the held /dev/shm entries)."""
     tmp_left = privatetmp.remove(d, deadline_s=TMP_BUDGET_S) if d is not None else None
     removed: list[str] = []
     kept: list[str] = []
+    held = None
     if u is not None and remove_ipc:
-        removed, kept = ipc.remove_residue(u, IPC_BUDGET_S)
-    return removed, kept, tmp_left
+        removed, kept, shm = ipc.remove_residue(u, IPC_BUDGET_S)
+        if shm:
+            held = ipc.UnitIpc(u.unit, u.uid, u.since, shm=shm)
+    return removed, kept, tmp_left, held

@@ -97,11 +97,12 @@ SUPERVISOR = Obj({  # omnid.core.takeover.handover
 }, optional={"sockets": Opt(DictOf(ListOf(HELD_SOCKET))), "fdstore": DictOf(ListOf(STORED_FD))})
 METRICS = Obj({"series": DictOf(Tuple(ListOf(INT), ListOf(NUM))),  # DaemonMetrics.handover: (buckets, [sum])
                "deaths_seen": DictOf(INT)})
+UNIT_IPC = Obj({"unit": STR, "uid": INT, "since": NUM, "pids": ListOf(INT),  # UnitIpc.to_json
+                "shm": DictOf(INT), "dropped": INT})
 CLEANUP = Obj({  # UnitCleanup.handover
-    "ipc": DictOf(Obj({"unit": STR, "uid": INT, "since": NUM, "pids": ListOf(INT),  # UnitIpc.to_json
-                       "shm": DictOf(INT), "dropped": INT})),
+    "ipc": DictOf(UNIT_IPC),
     "tmp": DictOf(Obj({"unit": STR, "path": STR, "dev": INT, "ino": INT}, optional={"uid": INT})),  # TmpDir
-    "due": ListOf(STR)})
+    "due": ListOf(STR)}, optional={"held": ListOf(UNIT_IPC)})
 CLUSTER = Obj({  # omnid.core.crosshost.CrossHost.handover; checked against the stack by read_handover
     "session": Record("omnid.cluster.session", "SessionRecord"),
     "groups": DictOf(Obj({"cluster": Record("omnid.cluster.group", "GroupRecord"),

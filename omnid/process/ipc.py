@@ -434,10 +434,19 @@ def _held(inodes: dict[int, str], dev: int, deadline: float) -> set[int] | None:
     return held
 
 
-def remove_residue(u: UnitIpc, budget_s: float = 2.0) -> tuple[list[str], list[str]]:
+def remove_residue(u: UnitIpc, budget_s: float = 2.0) -> tuple[list[str], list[str], dict[str, int]]:
     """Remove what is proven the unit's and held by nobody. Returns (removed, kept), each
-    entry described for people. Blocking: call it off the event loop."""
+    entry described for people, and the /dev/shm entries kept because a live process held
+    them (name -> inode: worth a later look). Blocking: call it off the event loop."""
+    removed, kept, held = remove_posix(u, budget_s)
+    r2, k2 = remove_sysv(u)
+    return removed + r2, kept + k2, held
+
+
+def remove_posix(u: UnitIpc, budget_s: float = 2.0) -> tuple[list[str], list[str], dict[str, int]]:
+    """The /dev/shm part of remove_residue (the same three results)."""
     deadline = time.monotonic() + budget_s
+    held_now: dict[str, int] = {}
     removed: list[str] = []
     kept: list[str] = []
     # POSIX: still the same inode, owned by the unit's user, a regular file.
@@ -463,10 +472,13 @@ def remove_residue(u: UnitIpc, budget_s: float = 2.0) -> tuple[list[str], list[s
                 held = _held(cands, dev, deadline)
                 if held is None:
                     kept.extend(f"{SHM_DIR}/{n} (could not prove nobody holds it in time)" for n in cands.values())
+                    held_now.update({n: ino for ino, n in cands.items()})
                     cands = {}
                 else:
                     for ino in held:
-                        kept.append(f"{SHM_DIR}/{cands.pop(ino)} (held by a live process)")
+                        name = cands.pop(ino)
+                        held_now[name] = ino
+                        kept.append(f"{SHM_DIR}/{name} (held by a live process)")
             for ino, name in cands.items():
                 try:
                     st = os.lstat(name, dir_fd=dfd)
@@ -480,8 +492,7 @@ def remove_residue(u: UnitIpc, budget_s: float = 2.0) -> tuple[list[str], list[s
     finally:
         if dfd >= 0:
             os.close(dfd)
-    r2, k2 = remove_sysv(u)
-    return removed + r2, kept + k2
+    return removed, kept, held_now
 
 
 def remove_sysv(u: UnitIpc) -> tuple[list[str], list[str]]:

@@ -238,7 +238,7 @@ mode, name = sys.argv[1], sys.argv[2]
 if mode == "main":
     fd = os.open("/dev/shm/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     os.ftruncate(fd, 1 << 20)
-    subprocess.Popen([sys.executable, sys.argv[0], "hold", name, sys.argv[3]], env={}, start_new_session=True)
+    subprocess.Popen([sys.executable, sys.argv[0], "hold", name, *sys.argv[3:]], env={}, start_new_session=True)
     time.sleep(1000)
 else:
     m = mmap.mmap(os.open("/dev/shm/" + name, os.O_RDWR), 1 << 20)
@@ -248,37 +248,48 @@ else:
     deadline = time.monotonic() + 60
     while os.getppid() == parent and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(1.5)
+    time.sleep(float(sys.argv[4]))
 """
 
 
-def test_shm_held_by_the_units_own_untracked_process_goes_once_that_process_exits(daemon_factory, tmp_path):
+@pytest.mark.parametrize("reexec", [False, True], ids=["", "across-a-reexec"])
+def test_shm_held_by_the_units_own_untracked_process_goes_once_that_process_exits(daemon_factory, reexec):
     """The unit's main process dies; a process it started that omnid cannot tie to it (own
     session, no environment) still maps its segment for a moment. The removal at the death
     finds the segment held and keeps it; it used to stay for good (PostgreSQL's DSM segments
-    did so, now and then, in CI). Held entries are looked at again: it goes once the holder
-    exits."""
+    did so, now and then, in CI). Held entries are looked at again, by the next program too
+    when omnid re-executes meanwhile: it goes once the holder exits."""
     prog = script(ORPHAN_HOLDER, "orphan_holder.py")
     name = f"omtorphan{os.getpid()}"
     pidfile = temp_dir("omt-pid-") / "holder.pid"
     os.chmod(pidfile.parent, 0o777)
-    d = daemon_factory(make_stack({"u": unit_toml(prog, "main", name, str(pidfile))}))
+    linger = "4" if reexec else "1.5"
+    d = daemon_factory(make_stack({"u": unit_toml(prog, "main", name, str(pidfile), linger)}))
     holder = None
     try:
         pid = d.wait_state("u", "active")["pid"]
         holder = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), 20, "the holder to map the segment"))
         send(pid, signal.SIGKILL)
         d.wait_state("u", "failed", timeout=10)
-        wait_for(lambda: name not in shm_names(), 20,
+        if reexec and d.cgroup_root is None:
+            wait_for(lambda: any(e.get("looked_at_again") for e in d.log_events()), 10, "the first look")
+            d.reexec()
+            assert alive(holder) and name in shm_names(), "the holder ended before the re-exec: linger longer"
+
+        def said() -> list[dict]:
+            return [e for e in d.log_events() if e.get("event") == "IPC residue" and e.get("unit") == "u"]
+
+        # gone, and the removal logged (the unlink comes a moment before its log line)
+        wait_for(lambda: name not in shm_names() and any(e["removed"] for e in said()), 20,
                  lambda: f"/dev/shm/{name} to go once its holder (pid {holder}, alive: {alive(holder)}) exits\n"
                          + "\n".join(d.log().splitlines()[-15:]))
-        said = [e for e in d.log_events() if e.get("event") == "IPC residue" and e.get("unit") == "u"]
+        seen = said()
         if d.cgroup_root is not None:  # the holder is in the unit's cgroup: killed with it, the segment goes at once
-            assert said and any(f"/dev/shm/{name} " in x for x in said[0]["removed"]), said
+            assert seen and any(f"/dev/shm/{name} " in x for x in seen[0]["removed"]), seen
         else:
-            assert said and f"/dev/shm/{name} (held by a live process)" in said[0]["kept"], said
-            assert said[0]["looked_at_again"] == [name], said
-            assert any(f"/dev/shm/{name} " in x for e in said[1:] for x in e["removed"]), said
+            assert seen and f"/dev/shm/{name} (held by a live process)" in seen[0]["kept"], seen
+            assert seen[0]["looked_at_again"] == [name], seen
+            assert any(f"/dev/shm/{name} " in x for e in seen[1:] for x in e["removed"]), seen
     finally:
         if holder is not None:  # ends by itself; by pid only if the test failed first
             wait_for(lambda: not alive(holder), 10, f"the holder (pid {holder}) to exit")

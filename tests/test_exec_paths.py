@@ -118,7 +118,10 @@ def test_a_child_is_set_up_the_same_on_either_path_as_the_kernel_sees_it(path, m
                 assert limits["Max open files"] == ("512", "1024") and limits["Max core file size"] == ("0", "0")
                 assert status["Cpus_allowed_list"] == "0", status
                 assert numa.memory_policy_of(Path(f"/proc/{sp.pid}/numa_maps").read_text()) == "prefer:0"
-                assert linux.read_environ_var(sp.pid, "MARK") == "x"
+                # The exe link turns to sleep early in execve, before the kernel sets the new
+                # program's environment up (read as empty until then): wait for it too.
+                wait_for(lambda: linux.read_environ_var(sp.pid, "MARK") == "x", 10,
+                         lambda: f"MARK=x in sleep's environment: {Path(f'/proc/{sp.pid}/environ').read_bytes()!r}")
                 if root:
                     assert status["Uid"].split()[0] == str(nobody.pw_uid), status
                     assert status["Gid"].split()[0] == str(nobody.pw_gid), status

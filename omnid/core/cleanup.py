@@ -64,7 +64,10 @@ class UnitCleanup:
         self._due: set[str] = set()  # units whose instance is gone and not yet cleaned
         self._tasks: dict[str, asyncio.Task] = {}
         # /dev/shm entries a live process held at the removal, looked at again (a task each)
-        self._held: dict[asyncio.Task, ipc.UnitIpc] = {}
+        # One task per unit, whatever number of its instances left held entries (a crash loop).
+        self._held: dict[str, list[ipc.UnitIpc]] = {}
+        self._held_tasks: dict[str, asyncio.Task] = {}
+        self._held_fresh: set[str] = set()  # units with entries newer than their task's backoff
         self._held_taken: list[ipc.UnitIpc] = []  # handed over by the program before a re-exec
         self._last_look = asyncio.Event()  # the daemon stops: every held entry gets its last look now
 
@@ -94,10 +97,10 @@ class UnitCleanup:
         """Every removal under way finished (the daemon's end, every unit stopped), bounded;
         held entries get their last look at once."""
         self._last_look.set()
-        tasks = [t for t in (*self._tasks.values(), *self._held) if not t.done()]
+        tasks = [t for t in (*self._tasks.values(), *self._held_tasks.values()) if not t.done()]
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
-        for t in self._held:
+        for t in self._held_tasks.values():
             t.cancel()
 
     def close(self) -> None:
@@ -107,7 +110,8 @@ class UnitCleanup:
 
     def handover(self) -> dict:
         return {"ipc": self.book.handover(), "tmp": {k: d.to_json() for k, d in self.tmp.items()},
-                "due": sorted(self._due), "held": [u.to_json() for u in (*self._held.values(), *self._held_taken)]}
+                "due": sorted(self._due), "held": [u.to_json() for us in self._held.values() for u in us]
+                + [u.to_json() for u in self._held_taken]}
 
     def take_over(self, d: object) -> None:
         if not isinstance(d, dict):
@@ -202,31 +206,45 @@ class UnitCleanup:
             self._look_again(held)
 
     def _look_again(self, u: ipc.UnitIpc) -> None:
-        task = unit_task(self._held_looks(u), unit=u.unit, kind="cleanup", on_crash=lambda exc: None)
-        self._held[task] = u
-        task.add_done_callback(lambda t: self._held.pop(t, None))
+        self._held.setdefault(u.unit, []).append(u)
+        task = self._held_tasks.get(u.unit)
+        if task is not None and not task.done():
+            self._held_fresh.add(u.unit)  # its backoff starts over
+            return
+        self._held_tasks[u.unit] = unit_task(self._held_looks(u.unit), unit=u.unit, kind="cleanup",
+                                             on_crash=lambda exc: None)
 
-    async def _held_looks(self, u: ipc.UnitIpc) -> None:
-        """Held entries looked at again on a backoff: removed once nobody holds them."""
+    async def _held_looks(self, name: str) -> None:
+        """A unit's held entries looked at again on a backoff: each removed once nobody holds it."""
         t0 = time.monotonic()
         kept: list[str] = []
-        for delay in HELD_RETRY_S:
+        i = 0
+        while i < len(HELD_RETRY_S) or name in self._held_fresh:
+            if name in self._held_fresh:
+                self._held_fresh.discard(name)
+                i = 0
+            delay = HELD_RETRY_S[i]
+            i += 1
             if not self._last_look.is_set():
                 try:
                     await asyncio.wait_for(self._last_look.wait(), delay)
                 except asyncio.TimeoutError:
                     pass
-            removed, kept, held = await asyncio.to_thread(ipc.remove_posix, u, IPC_BUDGET_S)
-            if removed:
-                log.info("IPC residue", unit=u.unit, removed=removed, kept=kept,
-                         after_s=round(time.monotonic() - t0, 2))
-            u.shm = held
-            if not held or self._last_look.is_set():
+            kept = []
+            for u in list(self._held.get(name, ())):
+                removed, still, held = await asyncio.to_thread(ipc.remove_posix, u, IPC_BUDGET_S)
+                if removed:
+                    log.info("IPC residue", unit=name, removed=removed, kept=still,
+                             after_s=round(time.monotonic() - t0, 2))
+                u.shm = held
+                kept += still
+            left = self._held[name] = [u for u in self._held.get(name, ()) if u.shm]
+            if not left or self._last_look.is_set():
                 break
-        if u.shm:
-            log.warning("IPC residue kept: still held by a live process", unit=u.unit, kept=kept,
+        if self._held.pop(name, None):
+            log.warning("IPC residue kept: still held by a live process", unit=name, kept=kept,
                         after_s=round(time.monotonic() - t0, 1))
-
+        self._held_fresh.discard(name)
 
     def _clean_blocking(self, name: str, d: privatetmp.TmpDir | None,
                         remove_ipc: bool) -> tuple[list[str], list[str], str | None, ipc.UnitIpc | None]:

@@ -184,6 +184,32 @@ def test_a_second_reload_while_one_runs_is_refused_with_a_clear_error(daemon_fac
     assert d.unit("slow")["state"] == "active"
 
 
+def test_a_sighup_during_a_control_reload_runs_after_it_and_reads_the_newest_files(daemon_factory):
+    """A SIGHUP while a reload asked over the control socket is being applied (which read the
+    files before this change) is not refused as busy, which dropped it: its reload runs once
+    that one is done, and sees the unit written just before the signal."""
+    slow = 'exec = ["sh", "-c", "trap \\"\\" TERM; sleep 1000 & wait; wait"]\nstop_timeout = 2\n'
+    d_dir = make_stack({"slow": slow})
+    d = daemon_factory(d_dir)
+    d.wait_all_active()
+    write(d_dir, "slow", slow.replace("1000", "999"))
+    first = subprocess.Popen([PY, "-m", "omnid", "--control", d.control, "reload"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=str(REPO),
+                             env=dict(os.environ, PYTHONPATH=repo_pythonpath()))
+    try:
+        wait_for(lambda: d.unit("slow")["state"] == "stopping", 10, "the control reload stopping slow")
+        write(d_dir, "late", SLEEP)
+        d.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "late" in d.units() and d.unit("late")["state"] == "active", 30,
+                 lambda: f"unit late, written before the SIGHUP: {sorted(d.units())}\n{d.log()[-2000:]}")
+    finally:
+        out, err = first.communicate(timeout=60)
+    assert first.returncode == 0, out + err
+    events = [e.get("event") for e in d.log_events()]
+    assert "SIGHUP: waiting for the reload under way to end first" in events, events
+    assert "reload refused" not in events, d.log()[-2000:]
+
+
 def test_reload_while_the_stack_stops_is_refused(daemon_factory):
     slow = 'exec = ["sh", "-c", "trap \\"\\" TERM; sleep 1000 & wait; wait"]\nstop_timeout = 3\n'
     d_dir = make_stack({"slow": slow})

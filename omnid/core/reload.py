@@ -20,6 +20,7 @@ it), then the stops, then the new stack, then the starts, waiting like `restart`
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -171,6 +172,8 @@ class Reloader:
     def __init__(self, sup: Centre) -> None:
         self.sup = sup
         self.running_since: float | None = None
+        self.idle = asyncio.Event()  # set while no reload is being applied
+        self.idle.set()
 
     async def apply(self, new: Stack, p: Plan, timeout: float | None) -> tuple[list[dict], str]:
         """Carry the plan out; returns the snapshots of what it started and why a roll
@@ -182,10 +185,12 @@ class Reloader:
             raise ReloadError("busy", f"a reload is already being applied (for "
                                       f"{time.monotonic() - self.running_since:.1f} s); try again when it is done")
         self.running_since = time.monotonic()
+        self.idle.clear()
         try:
             return await self._apply(new, p, timeout)
         finally:
             self.running_since = None
+            self.idle.set()
 
     async def _apply(self, new: Stack, p: Plan, timeout: float | None) -> tuple[list[dict], str]:
         sup = self.sup

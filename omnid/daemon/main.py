@@ -341,12 +341,23 @@ class Daemon(DaemonParts):
             self.hup_reload = None
 
     async def _reload_on_hup(self) -> None:
-        assert self.handlers is not None
-        try:
-            result = await self.handlers.handle_reload({})
-        except ControlError as exc:
-            log.error("reload refused", code=exc.code, reason=exc.message)
-            return
+        assert self.handlers is not None and self.sup is not None
+        reloader = self.sup.reloader
+        while True:
+            if not reloader.idle.is_set():
+                # A reload asked over the control socket is being applied, and it may have read
+                # the files before this SIGHUP's change: this one runs once it is done.
+                log.info("SIGHUP: waiting for the reload under way to end first",
+                         for_s=round(time.monotonic() - (reloader.running_since or time.monotonic()), 1))
+                await reloader.idle.wait()
+            try:
+                result = await self.handlers.handle_reload({})
+            except ControlError as exc:
+                if exc.code == "busy":  # another began while this one read the files
+                    continue
+                log.error("reload refused", code=exc.code, reason=exc.message)
+                return
+            break
         log.info("reload done", added=result["added"], removed=result["removed"], restarted=result["restarted"],
                  updated=result["updated"], settings=result["settings"], ok=result.get("ok", True))
 

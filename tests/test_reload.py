@@ -165,7 +165,10 @@ def test_sighup_reloads_instead_of_killing_the_daemon(daemon_factory):
     assert any(e.get("event") == "reload done" for e in d.log_events())
 
 
-def test_a_second_reload_while_one_runs_is_refused_with_a_clear_error(daemon_factory):
+def _a_control_reload_under_way(daemon_factory):
+    """A daemon whose unit `slow` (TERM ignored, stop_timeout 2) was changed, and `omnid reload`
+    started in the background: it takes ~2 s to stop slow. Returns (daemon, its stack directory,
+    the reload's process)."""
     slow = 'exec = ["sh", "-c", "trap \\"\\" TERM; sleep 1000 & wait; wait"]\nstop_timeout = 2\n'
     d_dir = make_stack({"slow": slow})
     d = daemon_factory(d_dir)
@@ -174,6 +177,11 @@ def test_a_second_reload_while_one_runs_is_refused_with_a_clear_error(daemon_fac
     first = subprocess.Popen([PY, "-m", "omnid", "--control", d.control, "reload"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, cwd=str(REPO),
                              env=dict(os.environ, PYTHONPATH=repo_pythonpath()))
+    return d, d_dir, first
+
+
+def test_a_second_reload_while_one_runs_is_refused_with_a_clear_error(daemon_factory):
+    d, d_dir, first = _a_control_reload_under_way(daemon_factory)
     try:
         wait_for(lambda: d.unit("slow")["state"] == "stopping", 10, "the first reload stopping slow")
         r = omnid(d, "reload")
@@ -188,14 +196,7 @@ def test_a_sighup_during_a_control_reload_runs_after_it_and_reads_the_newest_fil
     """A SIGHUP while a reload asked over the control socket is being applied (which read the
     files before this change) is not refused as busy, which dropped it: its reload runs once
     that one is done, and sees the unit written just before the signal."""
-    slow = 'exec = ["sh", "-c", "trap \\"\\" TERM; sleep 1000 & wait; wait"]\nstop_timeout = 2\n'
-    d_dir = make_stack({"slow": slow})
-    d = daemon_factory(d_dir)
-    d.wait_all_active()
-    write(d_dir, "slow", slow.replace("1000", "999"))
-    first = subprocess.Popen([PY, "-m", "omnid", "--control", d.control, "reload"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, cwd=str(REPO),
-                             env=dict(os.environ, PYTHONPATH=repo_pythonpath()))
+    d, d_dir, first = _a_control_reload_under_way(daemon_factory)
     try:
         wait_for(lambda: d.unit("slow")["state"] == "stopping", 10, "the control reload stopping slow")
         write(d_dir, "late", SLEEP)

@@ -224,13 +224,6 @@ class CrossHost:
             lk.joining = None
             self.sup.kick()
 
-    def waiting_reason(self, rt: UnitRuntime) -> str | None:
-        """Why a member is not started yet, while its group waits for other hosts."""
-        lk = self.link(rt)
-        if lk is None or lk.joining is None:
-            return None
-        return lk.cluster.reason or f"worker group {lk.cluster.name}: joining (etcd not reached yet)"
-
     def opened(self, rt: UnitRuntime) -> int:
         """The generation opens here now: its number (agreed by every host)."""
         lk = self.link(rt)
@@ -344,12 +337,14 @@ class CrossHost:
         self.sup.notify_changed()
 
     def refresh_reasons(self) -> None:
-        """Members waiting for other hosts say for which (called by converge)."""
+        """Members waiting for other hosts say for which (called by converge): the stopped
+        ones and the one that failed alike (its exit stays in `last_exit`), or the failed one
+        would say "restarting in 0.2 s" for as long as the other hosts take."""
         for lk in self.links.values():
             if lk.joining is not None and lk.cluster.reason:
                 for m in lk.members:
                     rt = self.sup.units[m]
-                    if not rt.busy and rt.state.value == "inactive" and rt.reason != lk.cluster.reason:
+                    if not rt.busy and rt.state.value in ("inactive", "failed") and rt.reason != lk.cluster.reason:
                         rt.reason = lk.cluster.reason
                         self.sup.notify_changed()
 

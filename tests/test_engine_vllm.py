@@ -10,9 +10,10 @@ module (module-scoped, its processes carrying the module's OMNID_TEST_ID, checke
 module teardown) and the faults are injected one after another, each test waiting for the
 restart before it returns. Order matters and is the file's order:
 
-  cgroup backend:   serving; SIGKILL/SIGTERM/SIGINT x API server/EngineCore/Worker under
-                    load; the Worker hung (SIGSTOP); an abort storm; `omnid stop` under load;
-                    Ctrl+C of the daemon
+  cgroup backend:   serving; SIGKILL/SIGTERM x API server/EngineCore/Worker and SIGINT x
+                    API server under load (SIGINT x EngineCore/Worker with
+                    OMNID_ENGINE_ALL_FAULTS=1); the Worker hung (SIGSTOP); an abort storm;
+                    `omnid stop` under load; Ctrl+C of the daemon
   process groups:   SIGKILL of the API server under load; SIGKILL of the daemon
 
 Everything is checked against /proc and vLLM's own HTTP answers; omnid is asked only what
@@ -219,9 +220,19 @@ def test_cgroup_serves_and_tree(cg):
 
 
 FAULTS = [(role, sig) for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT) for role in ("api", "engine", "worker")]
+# Each row costs a vLLM restart (~50 s on two cores) and CI has 35 minutes for everything. A
+# SIGINT reaches an engine or a worker alone only when someone sends it to that pid (Ctrl+C
+# goes to the terminal's whole foreground group, the API server included: SIGINT-api), and
+# vLLM's engine and worker handle it as they do SIGTERM: those two rows run when asked.
+ALL_FAULTS = os.environ.get("OMNID_ENGINE_ALL_FAULTS") == "1"
+RARE = {("engine", signal.SIGINT), ("worker", signal.SIGINT)}
 
 
-@pytest.mark.parametrize("role,sig", FAULTS, ids=[f"{s.name}-{r}" for r, s in FAULTS])
+@pytest.mark.parametrize("role,sig", [
+    pytest.param(r, s, marks=pytest.mark.skipif((r, s) in RARE and not ALL_FAULTS,
+                                                reason="a SIGINT to this process alone is rare and handled as its "
+                                                       "SIGTERM row; OMNID_ENGINE_ALL_FAULTS=1 runs it"))
+    for r, s in FAULTS], ids=[f"{s.name}-{r}" for r, s in FAULTS])
 def test_cgroup_fault(cg, role, sig):
     _fault(cg, role, sig)
 

@@ -207,7 +207,7 @@ def test_reexec_while_a_unit_crash_loops_leaves_no_duplicate_and_verify_clean(da
 
 
 @pytest.mark.timeout(600)
-def test_a_hundred_reexecs_in_a_row_grow_no_fd_thread_or_memory(daemon_factory):
+def test_forty_reexecs_in_a_row_grow_no_fd_thread_or_memory(daemon_factory):
     d = daemon_factory(make_stack({"a": SLEEP + "instances = 4\n"}))
     d.wait_all_active()
     units = ids(d)
@@ -221,7 +221,8 @@ def test_a_hundred_reexecs_in_a_row_grow_no_fd_thread_or_memory(daemon_factory):
     base = (fds_of(pid), threads_of(pid), rss_kib(pid))
     base_fds = fd_targets(pid)
     t0 = time.monotonic()
-    for _ in range(100):
+    n = 40  # one fd or thread kept per re-exec would show 40 times over; CI pays ~1.2 s each
+    for _ in range(n):
         d.reexec()
     took = time.monotonic() - t0
     wait_for(settled, 30, "the health API up")
@@ -229,9 +230,9 @@ def test_a_hundred_reexecs_in_a_row_grow_no_fd_thread_or_memory(daemon_factory):
     wait_for(lambda: fds_of(pid) <= base[0], 5, f"daemon fds back to {base[0]} ({fd_targets(pid)} now, "
                                                 f"{base_fds} before)")
     end = (fds_of(pid), threads_of(pid), rss_kib(pid))
-    print(f"\n100 re-execs in {took:.1f} s ({took * 10:.0f} ms each, request to the new program answering); "
+    print(f"\n{n} re-execs in {took:.1f} s ({took * 1000 / n:.0f} ms each, request to the new program answering); "
           f"fds {base[0]} -> {end[0]}, threads {base[1]} -> {end[1]}, RSS {base[2]} -> {end[2]} KiB")
-    assert d.ok("status")["daemon"]["reexecs"] == 101
+    assert d.ok("status")["daemon"]["reexecs"] == n + 1
     assert ids(d) == units
     assert end[0] <= base[0] and end[1] <= base[1], (base, end, base_fds, fd_targets(pid))
     assert end[2] < base[2] * 1.2, (base, end)

@@ -100,3 +100,34 @@ def test_an_operator_stop_of_a_stubborn_unit_takes_its_stacks_beside_and_sigkill
     assert cap["seconds"] <= 0.5 + 0.1, cap["seconds"]  # at most stop_timeout / 2: done by the SIGKILL
     print(f"\nstop with a capture beside: {took:.2f} s, SIGKILL {rec['seconds']:.3f} s after SIGTERM; "
           f"capture {cap['seconds']:.3f} s: {json.dumps(cap['summary'])[:120]}")
+
+
+def test_a_hung_unit_is_sigkilled_at_abort_timeout_and_a_planned_stop_still_waits_stop_timeout(tmp_path,
+                                                                                             daemon_factory):
+    """abort_timeout bounds the stop of a unit failed alive (its watchdog here), however long
+    its stop_timeout (the graceful drain of a planned stop) is."""
+    prog = write_prog(tmp_path)
+    stubborn = 'exec = ["sh", "-c", "trap \\"\\" TERM; sleep 1000 & wait; wait"]\nstop_timeout = 1\nabort_timeout = 0.2\n'
+    d = daemon_factory(make_stack({
+        "worker": f'{exec_line(prog, "--notify", "--watchdog", "0.2")}\nready = "notify"\nwatchdog_sec = 1\n'
+                  'stop_timeout = 60\nabort_timeout = 0.5\ncapture_timeout = 0\n',
+        "s": stubborn}))
+    victim = d.wait_state("worker", "active")["pid"]
+    d.wait_state("s", "active")
+    import os
+
+    fd = os.pidfd_open(victim)
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGSTOP)  # a stopped process ignores SIGTERM: SIGKILL ends it
+        w = d.wait_state("worker", "failed", timeout=20)
+    finally:
+        os.close(fd)
+    assert not alive(victim) and w["last_signal"] == "SIGKILL", w
+    ev = events(d, "worker")
+    took = ts(next(e for e in ev if e["to"] == "failed")) - ts(next(e for e in ev if e["to"] == "stopping"))
+    assert 0.5 <= took < 0.5 + 5, f"SIGKILL {took:.2f} s after the stop began (abort_timeout 0.5, stop_timeout 60)"
+    t0 = time.monotonic()
+    rec = next(r for r in d.ok("stop", {"units": ["s"]})["summary"] if r["unit"] == "s")
+    assert rec["escalated"] and rec["seconds"] >= 1.0, rec  # an operator's stop: stop_timeout, not abort_timeout
+    print(f"\nhung unit SIGKILLed {took:.2f} s after its stop began (abort_timeout 0.5 s, stop_timeout 60 s); "
+          f"an operator's stop of a stubborn unit {time.monotonic() - t0:.2f} s (stop_timeout 1 s)")

@@ -60,7 +60,7 @@ EXPECTED: dict[tuple[UnitState, Phase], dict[Event, set]] = {
 HOLDS_A_PROCESS = {ST, AC, Sc, Sd, Ss}
 TIMER_OUTCOMES = {"ready_timeout": E.NOT_READY, "stop_timeout": E.STOP_TIMEOUT, "kill_timeout": E.KILL_TIMEOUT,
                   "capture_timeout": E.CAPTURED, "capture_due": E.CAPTURE_DUE, "drain_timeout": E.DRAINED,
-                  "leftover_timeout": E.STOP_TIMEOUT}
+                  "leftover_timeout": E.STOP_TIMEOUT, "abort_timeout": E.STOP_TIMEOUT}
 
 
 def views(state: UnitState, phase: Phase) -> list[View]:
@@ -112,9 +112,7 @@ def test_a_pair_that_is_no_position_is_named_illegal():
 # What the work an action starts feeds back (the executor's outcomes), for the simulations.
 def feeds(action) -> list[Event]:
     if isinstance(action, ArmTimer):
-        return [{"ready_timeout": E.NOT_READY, "stop_timeout": E.STOP_TIMEOUT, "kill_timeout": E.KILL_TIMEOUT,
-                 "capture_timeout": E.CAPTURED, "capture_due": E.CAPTURE_DUE,
-                 "drain_timeout": E.DRAINED}[action.which]]
+        return [TIMER_OUTCOMES[action.which]]
     return {Spawn: [E.SPAWNED], WatchGone: [E.GONE], WatchReady: [E.READY], WaitRelease: [E.RELEASED],
             Drain: [E.DRAINED], Capture: [E.CAPTURED] if getattr(action, "feed", False) else []}.get(type(action), [])
 
@@ -319,6 +317,9 @@ def test_a_hung_unit_gets_its_stacks_captured_then_the_stop_signal_without_sigco
         assert Signal("stop_signal", cont=False) in no_capture.actions
     after = one(S.STOPPING, P.CAPTURING, E.CAPTURED, cause=Cause.FAILURE, capture=True)
     assert after.actions[0] == Signal("stop_signal", cont=False) and ArmTimer("capture_due") not in after.actions
+    # its SIGKILL comes at abort_timeout (stop_timeout unless the unit sets it), with capture or without
+    assert ArmTimer("abort_timeout") in after.actions and ArmTimer("stop_timeout") not in after.actions
+    assert ArmTimer("abort_timeout") in one(S.ACTIVE, P.IDLE, E.LIVENESS_FAILED).actions
     # an operator's stop of a stubborn unit takes the stacks before stop_timeout, beside the stop
     stop = one(S.ACTIVE, P.IDLE, E.STOP_REQUESTED, capture=True)
     assert ArmTimer("capture_due") in stop.actions

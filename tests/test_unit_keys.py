@@ -129,7 +129,7 @@ CHANGED: dict[str, Any] = {
     "group_hosts": ("node-a", "node-b"), "torch_distributed": TorchDistributed(), "memory_max": 1 << 30,
     "tasks_max": 64, "liveness": Liveness(url="http://127.0.0.1:1/"), "numa": 0, "gpus": (0,),
     "progress": Progress(metrics="http://127.0.0.1:1/metrics", counter="c", busy=("b",)),
-    "sockets": (ListenSocket("127.0.0.1:1", "http"),), "after": ("b",), "requires": ("b",),
+    "sockets": (ListenSocket("127.0.0.1:1", "http"),), "after": ("b",), "requires": ("b",), "abort_timeout": 2.0,
 }
 
 

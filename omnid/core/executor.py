@@ -51,7 +51,7 @@ S, P, E = UnitState, Phase, Event
 # Which event each timer feeds when it fires, and how long it runs.
 TIMER_EVENTS = {"ready_timeout": E.NOT_READY, "stop_timeout": E.STOP_TIMEOUT, "kill_timeout": E.KILL_TIMEOUT,
                 "capture_timeout": E.CAPTURED, "capture_due": E.CAPTURE_DUE, "drain_timeout": E.DRAINED,
-                "leftover_timeout": E.STOP_TIMEOUT}
+                "leftover_timeout": E.STOP_TIMEOUT, "abort_timeout": E.STOP_TIMEOUT}
 EXIT_STATUS_WAIT_S = 2.0  # pidfd readable -> the spawner's exit report; then "status unknown"
 # A spawn request -> the spawner's answer, at most: the spawner's own bound from fork to exec
 # (omnid.spawner.SPAWN_EXEC_TIMEOUT_S, 10 s) and a margin. Past it the unit's spawn fails; a late
@@ -314,6 +314,8 @@ class Executor:
             detail = f"not ready after {spec.ready_timeout:g} s"
         elif a.which == "stop_timeout":
             delay, detail = spec.stop_timeout, ""
+        elif a.which == "abort_timeout":  # a hung unit's stop: its own bound, or stop_timeout
+            delay, detail = spec.abort_timeout if spec.abort_timeout is not None else spec.stop_timeout, ""
         elif a.which == "kill_timeout":
             delay, detail = spec.kill_timeout, ""
         elif a.which == "leftover_timeout":  # the main process exited: its leftovers' grace

@@ -115,7 +115,8 @@ class Signal:
 @dataclass(frozen=True)
 class ArmTimer:
     which: str  # the event it feeds: ready_timeout -> NOT_READY, stop_timeout, kill_timeout, capture_timeout ->
-    #           CAPTURED, capture_due -> CAPTURE_DUE, drain_timeout -> DRAINED, leftover_timeout -> STOP_TIMEOUT
+    #           CAPTURED, capture_due -> CAPTURE_DUE, drain_timeout -> DRAINED, leftover_timeout and
+    #           abort_timeout (a hung unit's stop_timeout) -> STOP_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -239,14 +240,16 @@ def _same(v: View) -> Step:
     return Step(v.state, v.phase)
 
 
-def _signalled(v: View, cause: Cause, *, cont: bool, capture: bool, first: tuple = (), whole: bool = False) -> Step:
-    """stop_signal to the unit, SIGKILL at stop_timeout; with capture on, the stacks are taken
-    shortly before stop_timeout if it is still alive then (never later). To every process of
-    it, or under kill_mode mixed / process to the main process alone (the rest when it has
-    exited: `_main_exited`); `whole`: every process whatever the mode (a failed unit)."""
+def _signalled(v: View, cause: Cause, *, cont: bool, capture: bool, first: tuple = (), whole: bool = False,
+               timer: str = "stop_timeout") -> Step:
+    """stop_signal to the unit, SIGKILL at stop_timeout (`timer`: abort_timeout for a hung
+    unit); with capture on, the stacks are taken shortly before stop_timeout if it is still
+    alive then (never later). To every process of it, or under kill_mode mixed / process to
+    the main process alone (the rest when it has exited: `_main_exited`); `whole`: every
+    process whatever the mode (a failed unit)."""
     due = (ArmTimer("capture_due"),) if capture and v.capture else ()
     to = "all" if whole or v.kill_mode is KillMode.CONTROL_GROUP else "main"
-    return Step(S.STOPPING, P.SIGNALLED, (*first, Signal("stop_signal", cont=cont, to=to), ArmTimer("stop_timeout"),
+    return Step(S.STOPPING, P.SIGNALLED, (*first, Signal("stop_signal", cont=cont, to=to), ArmTimer(timer),
                                          *due, WatchGone()), cause)
 
 
@@ -298,16 +301,18 @@ def _drain_cut(cause: Cause) -> Callable[[View], Step]:
 
 def _hung(v: View) -> Step:
     """Alive but failed (watchdog, liveness, readiness): stacks first (bounded), then the stop
-    signal without SIGCONT: a stopped process stays stopped and is SIGKILLed at stop_timeout."""
+    signal without SIGCONT: a stopped process stays stopped and is SIGKILLed at abort_timeout
+    (stop_timeout unless the unit sets it)."""
     if v.capture:
         return Step(S.STOPPING, P.CAPTURING, (RecordFailure(), Publish(), Capture(), ArmTimer("capture_timeout")),
                     Cause.FAILURE)
-    return _signalled(v, Cause.FAILURE, cont=False, capture=False, first=(RecordFailure(), Publish()), whole=True)
+    return _signalled(v, Cause.FAILURE, cont=False, capture=False, first=(RecordFailure(), Publish()), whole=True,
+                      timer="abort_timeout")
 
 
 def _captured(v: View) -> Step:
     """A failed unit is signalled whole whatever its kill_mode: the part that hangs may be any."""
-    return _signalled(v, Cause.FAILURE, cont=False, capture=False, whole=True)
+    return _signalled(v, Cause.FAILURE, cont=False, capture=False, whole=True, timer="abort_timeout")
 
 
 def _broken(v: View) -> Step:

@@ -96,6 +96,7 @@ UNIT_KEY_TABLE: tuple[UnitKey, ...] = (
     UnitKey("update", RESTARTING, choice(UpdatePolicy), UpdatePolicy.RESTART, S, "how a reload replaces instances"),
     UnitKey("max_unavailable", RESTARTING, integer(1, MAX_INSTANCES), 1, S, "instances a roll takes down at a time"),
     UnitKey("fd_store_max", FDSTORE, integer(0, MAX_PASSED_FDS), 0, R, "fds the unit may keep in the daemon (FDSTORE=1)"),
+    UnitKey("abort_timeout", STOP, seconds(zero_ok=False), None, S, "stop_timeout for a unit failed alive (hung)"),
     # The template's own keys: read after the keys above (omnid.model.unitfile).
     UnitKey("instances", RUN, integer(1, MAX_INSTANCES), 1, I, "how many units the file defines (NAME@0, ...)"),
     UnitKey("after", ORDER, string_list, (), S, "units that must be ready before this one starts"),

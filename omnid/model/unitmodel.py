@@ -239,6 +239,10 @@ class Unit:
     watchdog_sec: float = 0.0
     stop_signal: signal.Signals = signal.SIGTERM
     stop_timeout: float = 10.0
+    # A unit failed alive (watchdog, liveness, progress, ready_timeout): seconds after its
+    # stop_signal before SIGKILL, as systemd's TimeoutAbortSec=; None = stop_timeout. A hung
+    # tree rarely finishes a graceful stop, and every second of it is an outage.
+    abort_timeout: float | None = None
     worker_group: str | None = None  # members fail, stop and restart together
     torch_distributed: TorchDistributed | None = None
     group_hosts: tuple[str, ...] = ()  # a worker group across hosts (omnid.cluster): the leading host first

@@ -259,6 +259,10 @@ def _hang(cg: Stack, d: Daemon, api: int, tree: Tree, load: Load) -> None:
     with load:
         wait_for(lambda: load.ok_after(0) >= 2 and metrics(cg.port).get("vllm:num_requests_running", 0) > 0, 60,
                  "requests running in vLLM")
+        # omnid must see it active first: vLLM can answer before omnid's ready probe has, and a
+        # unit still `starting` would read as "detected" at once (a CI run reported 0.0 s).
+        wait_for(lambda: (u := cg.unit())["state"] == "active" and u["pid"] == api, 60,
+                 lambda: f"omnid to see vLLM active (unit: {cg.unit()})")
         t0 = time.monotonic()
         signal_proc(tree.worker, signal.SIGSTOP)
         vllm_said = []

@@ -87,9 +87,12 @@ def unit_toml(python: Path | str, model: Path | str, port: int, *, stall_sec: in
         "restart_max_sec = 2",
         "start_limit_burst = 30",
         "start_limit_interval = 3600",
-        # Above the drain (--shutdown-timeout 10); it is also what a hung tree costs when vLLM's
-        # own shutdown hangs on the stopped Worker (seen: 60 s with stop_timeout = 60).
+        # Above the drain (--shutdown-timeout 10).
         "stop_timeout = 30",
+        # A hung tree (failed by `progress` or `liveness`) never finishes that drain: vLLM's
+        # shutdown waits on the stopped Worker (seen: 60 s with stop_timeout = 60), down all
+        # that time. SIGKILL 5 s after its SIGTERM instead.
+        "abort_timeout = 5",
         "kill_timeout = 20",
     ]
     if kill_mode and knows("kill_mode"):

@@ -239,10 +239,13 @@ def test_cgroup_fault(cg, role, sig):
 
 @needs("progress")
 def test_cgroup_worker_hang_progress(cg):
-    """FM-31: the Worker stopped (SIGSTOP) with requests in flight. vLLM's own /health stays
-    200; omnid's progress rule (tokens must grow while requests run) fails the unit within
-    stall_sec + interval, the dump names the stopped Worker, the tree is killed, restarted,
-    serving."""
+    """FM-31: the Worker stopped (SIGSTOP) under load. vLLM's own /health stays 200; omnid
+    fails the unit, the dump names the stopped Worker, the tree is killed (abort_timeout),
+    restarted, serving. Which of omnid's checks sees it depends on where the Worker stopped:
+    vLLM publishes its gauges once per engine step, so they freeze with it. Stopped mid-batch
+    (requests running in the frozen gauges): the progress rule, within stall_sec + interval.
+    Stopped between two batches (0 running, for ever): the one-token liveness canary, within
+    failures x (interval + timeout). The row says which it was."""
     d = cg.d
     api = cg.wait_serving()
     tree = full_tree(api)
@@ -257,21 +260,31 @@ def test_cgroup_worker_hang_progress(cg):
 
 def _hang(cg: Stack, d: Daemon, api: int, tree: Tree, load: Load) -> None:
     with load:
-        wait_for(lambda: load.ok_after(0) >= 2 and metrics(cg.port).get("vllm:num_requests_running", 0) > 0, 60,
-                 "requests running in vLLM")
         # omnid must see it active first: vLLM can answer before omnid's ready probe has, and a
         # unit still `starting` would read as "detected" at once (a CI run reported 0.0 s).
         wait_for(lambda: (u := cg.unit())["state"] == "active" and u["pid"] == api, 60,
                  lambda: f"omnid to see vLLM active (unit: {cg.unit()})")
+        wait_for(lambda: load.ok_after(0) >= 2 and metrics(cg.port).get("vllm:num_requests_running", 0) > 0, 60,
+                 "requests running in vLLM")
         t0 = time.monotonic()
         signal_proc(tree.worker, signal.SIGSTOP)
-        vllm_said = []
+        vllm_said: list[int | None] = []
+        running: list[float] = []  # vLLM's gauge as the API server serves it (frozen soon after t0)
+        seen: dict = {}
 
         def detected():
             if tree.api.alive():
                 vllm_said.append(vllm_health(cg.port))
+                try:
+                    if (r := metrics(cg.port).get("vllm:num_requests_running")) is not None:
+                        running.append(r)
+                except (OSError, AssertionError):  # the API server going down (the kill)
+                    pass
             u = cg.unit()
-            return (u["state"] != "active" or u["pid"] != api) and time.monotonic()
+            if u["state"] != "active" or u["pid"] != api:
+                seen.update(u)
+                return time.monotonic()
+            return None
 
         t_det = wait_for(detected, STALL_SEC + 60, "omnid to notice the stopped Worker", interval=0.2)
         # vLLM's own liveness said 200 throughout what it answered (the hang is invisible to it).
@@ -282,14 +295,52 @@ def _hang(cg: Stack, d: Daemon, api: int, tree: Tree, load: Load) -> None:
         new_api = cg.wait_serving(not_pid=api)
         t_back = time.monotonic()
         wait_for(lambda: load.ok_after(t_back) >= 1, 60, "completions again after the hang")
-    assert t_det - t0 <= STALL_SEC + 1 + 5, f"detected after {t_det - t0:.1f} s (bound {STALL_SEC} s + interval)"
+    assert running, "vLLM's /metrics never answered while the Worker was stopped"
+    frozen = running[-1]
+    if frozen > 0:  # stopped mid-batch: the progress rule's case
+        assert seen["reason"].startswith("progress:"), seen
+        assert t_det - t0 <= STALL_SEC + 1 + 5, f"detected after {t_det - t0:.1f} s (bound {STALL_SEC} s + interval)"
+    else:  # stopped between batches: the gauges say idle for ever, the canary's case
+        assert seen["reason"].startswith("liveness:") and "timed out" in seen["reason"], seen
+        assert t_det - t0 <= 3 * (2 + 5) + 5, f"detected after {t_det - t0:.1f} s (bound 3 x (2 + 5) s)"
     captures = d.ok("dump", {"unit": UNIT})["captures"]
     assert captures, "no capture of the hung unit"
     text = captures[-1]["text"]
     assert f"pid {tree.worker.pid} T" in text or f"{tree.worker.pid}" in text and "stopped" in text, text[:3000]
     assert new_api != api
-    TIMINGS.append(f"cgroup hang (SIGSTOP worker): detected {t_det - t0:.1f} s (stall_sec {STALL_SEC}), "
-                   f"tree gone {t_gone - t0:.1f} s, serving again {t_back - t0:.1f} s")
+    TIMINGS.append(f"cgroup hang (SIGSTOP worker, gauges frozen at {frozen:.0f} running): detected "
+                   f"{t_det - t0:.1f} s by {seen['reason'].split(':')[0]} (stall_sec {STALL_SEC}; liveness 3 x (2 + 5) s), "
+                   f"tree gone {t_gone - t0:.1f} s (abort_timeout 5), serving again {t_back - t0:.1f} s")
+
+
+@pytest.mark.skipif(not ALL_FAULTS, reason="a second hang row (a ~60 s restart): OMNID_ENGINE_ALL_FAULTS=1 runs it")
+def test_cgroup_worker_hang_while_idle_is_caught_by_the_liveness_canary(cg):
+    """The Worker stopped with nothing running: vLLM's gauges say idle for ever and its
+    /health 200, so the progress rule cannot see it; the one-token liveness POST times out
+    `failures` times and fails the unit, within failures x (interval + timeout)."""
+    d = cg.d
+    api = cg.wait_serving()
+    wait_for(lambda: (u := cg.unit())["state"] == "active" and u["pid"] == api, 60,
+             lambda: f"omnid to see vLLM active (unit: {cg.unit()})")
+    tree = full_tree(api)
+    t0 = time.monotonic()
+    signal_proc(tree.worker, signal.SIGSTOP)
+    try:
+        u = wait_for(lambda: ((u := cg.unit())["pid"] != api or u["state"] != "active") and u, 3 * (2 + 5) + 30,
+                     "omnid to notice the Worker stopped while idle", interval=0.2)
+        t_det = time.monotonic()
+        assert vllm_health(cg.port) in (200, None)
+        wait_for(lambda: not tree.left(), 120, f"the hung tree gone (left: {tree.describe(tree.left())})")
+        t_gone = time.monotonic()
+    finally:
+        if tree.worker.alive() and cg.unit()["pid"] == api:
+            signal_proc(tree.worker, signal.SIGKILL)
+    assert str(u["reason"]).startswith("liveness: POST") and "timed out" in u["reason"], u
+    assert t_det - t0 <= 3 * (2 + 5) + 5, f"detected after {t_det - t0:.1f} s"
+    cg.wait_serving(not_pid=api)
+    TIMINGS.append(f"cgroup hang while idle (SIGSTOP worker): detected {t_det - t0:.1f} s by the liveness canary "
+                   f"(3 x (2 + 5) s), tree gone {t_gone - t0:.1f} s, serving again {time.monotonic() - t0:.1f} s")
+    assert d.ok("dump", {"unit": UNIT})["captures"]
 
 
 def test_cgroup_abort_storm(cg):

@@ -376,9 +376,8 @@ class Supervisor:
         """How long a stop of the whole stack may take when every unit uses all of its budgets:
         the tiers stop one after another (dependents first), the units of a tier together; a
         unit's budget is its drain_timeout (with a drain hook), stop_timeout (or a longer
-        abort_timeout), kill_timeout for
-        SIGKILL and kill_timeout for the sweep of escapees, and kill_timeout more for the GPU's
-        memory where it is checked."""
+        abort_timeout: it may be hung then), kill_timeout for SIGKILL and kill_timeout for the
+        sweep of escapees, and kill_timeout more for the GPU's memory where it is checked."""
         total = 0.0
         for tier in self.stack.tiers():
             worst = 0.0
@@ -386,7 +385,7 @@ class Supervisor:
                 spec = self.units[u.name].spec
                 drain = spec.drain_timeout if spec.drain else 0.0
                 gpu = spec.kill_timeout if self.gpu_on() and spec.gpus else 0.0
-                stop = max(spec.stop_timeout, spec.abort_timeout or 0.0)  # it may be hung when the stack stops
+                stop = max(spec.stop_timeout, spec.abort_timeout or 0.0)
                 worst = max(worst, drain + stop + 2 * spec.kill_timeout + gpu)
             total += worst
         return total + STOP_MARGIN_S

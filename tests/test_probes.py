@@ -19,7 +19,7 @@ import pytest
 
 from omnid.base import linux
 from omnid.base import promtext
-from omnid.core.progress import StallRule
+from omnid.core.progress import CanaryWatch, StallRule
 from omnid.model.unitmodel import Progress
 from tests.harness import alive, free_port, make_stack, wait_for
 
@@ -258,11 +258,12 @@ stop_timeout = 2
 
 
 # ------------------------------------------------------------------ progress
-def progress_unit(eng: Engine, stall: float, interval: float) -> str:
+def progress_unit(eng: Engine, stall: float, interval: float, canary: str = "") -> str:
+    extra = f", canary = {{ http = \"{canary}\", body = '{{\"prompt\": \"%n\", \"max_tokens\": 1}}' }}" if canary else ""
     return f"""{eng.exec_line()}
 ready = {{ http = "{eng.url('/health')}" }}
 ready_interval = 0
-progress = {{ metrics = "{eng.url('/metrics')}", counter = "vllm:generation_tokens_total", busy = ["vllm:num_requests_running", "vllm:num_requests_waiting"], stall_sec = {stall}, interval = {interval} }}
+progress = {{ metrics = "{eng.url('/metrics')}", counter = "vllm:generation_tokens_total", busy = ["vllm:num_requests_running", "vllm:num_requests_waiting"], stall_sec = {stall}, interval = {interval}{extra} }}
 restart = "on-failure"
 restart_sec = 0.2
 stop_timeout = 3
@@ -319,6 +320,61 @@ def test_progress_catches_a_stopped_worker_behind_a_200_captures_kills_and_resta
     print("\n" + "\n".join(text.splitlines()[:12]))
     print(f"\nprogress: SIGSTOP of the worker (busy 3) -> caught in {took:.2f} s (stall_sec {stall}, interval "
           f"{interval}); restarted and active again after {back:.2f} s")
+
+
+def test_canary_watch_blames_only_an_accepted_unanswered_canary_with_a_flat_counter_and_live_metrics():
+    """The canary's decision, pure: when it goes out, and when its end proves a hang."""
+    w = CanaryWatch(stall_sec=10)
+    w.observe(0, busy=True)
+    assert not w.due(100)  # busy: the stall rule's business
+    w.observe(100, busy=False)
+    assert not w.due(109) and w.due(110)  # idle for stall_sec first
+    w.sent(110, counter=5)
+    assert not w.due(200)  # one at a time
+    w.observe(115, busy=False)  # the metrics answered while it was out
+    assert w.ended(120, hung=True, counter=5)  # accepted, no answer, no token: hung
+    assert not w.due(125) and w.due(130)  # the idle clock starts again at its end
+    # answered, refused or failed early: nothing judged
+    w.sent(130, counter=5)
+    w.observe(131, busy=False)
+    assert not w.ended(132, hung=False, counter=5)
+    # a token came while it was out: progress
+    w.sent(142, counter=5)
+    w.observe(143, busy=False)
+    assert not w.ended(152, hung=True, counter=6)
+    # the metrics page stopped answering too: the server in front is down, not the engine
+    w.sent(162, counter=6)
+    assert not w.ended(172, hung=True, counter=6)
+
+
+def test_progress_canary_catches_an_engine_hung_while_idle_and_a_refused_canary_judges_nothing(
+        tmp_path, daemon_factory):
+    """Idle, the gauges say 0 for ever: the canary (a one-token POST, %n expanded) is what
+    sees an engine that hangs then. A canary refused (nobody listens) fails nothing."""
+    (tmp_path / "eng").mkdir()
+    (tmp_path / "other").mkdir()
+    eng, other = Engine(tmp_path / "eng"), Engine(tmp_path / "other")
+    stall, interval = 1.0, 0.25
+    d = daemon_factory(make_stack({
+        "eng": progress_unit(eng, stall=stall, interval=interval, canary=eng.url("/v1/completions")),
+        "other": progress_unit(other, stall=stall, interval=interval,
+                               canary=f"http://127.0.0.1:{free_port()}/v1/completions")}))
+    pid = d.wait_state("eng", "active")["pid"]
+    other_pid = d.wait_state("other", "active")["pid"]
+    wait_for(lambda: eng.stats()["requests"].get("/v1/completions", 0) >= 3, 15, "three canaries answered")
+    assert d.unit("eng")["state"] == "active" and d.unit("eng")["pid"] == pid
+    post = eng.stats()["post"]
+    assert json.loads(post["body"]) == {"prompt": "eng", "max_tokens": 1}, post
+    t0 = eng.set(gen="hang")  # the engine accepts work and never answers; its metrics still do
+    u = wait_for(lambda: left_active(d, "eng", pid), 2 * (stall + interval) + 10, "the canary to catch the hang")
+    took = time.monotonic() - t0
+    eng.set(gen="ok")
+    assert u["reason"].startswith("progress: canary POST " + eng.url("/v1/completions") + " timed out after 1 s"), u
+    assert "vllm:generation_tokens_total stayed at" in u["reason"], u
+    assert took <= 2 * (stall + interval) + 3, took  # idle stall_sec, then stall_sec for the answer
+    assert d.unit("other")["state"] == "active" and d.unit("other")["pid"] == other_pid, d.unit("other")
+    print(f"\nprogress canary: an engine hung while idle caught {took:.2f} s after the hang "
+          f"(stall_sec {stall}, interval {interval}); a refused canary failed nothing")
 
 
 # ------------------------------------------------------------------ readiness that continues

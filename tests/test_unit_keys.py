@@ -199,3 +199,26 @@ def test_the_keys_of_each_nested_table_are_documented_in_its_paragraph(parent: s
     paragraph = re.split(rf"\n\.T[PQ]\n\.BR? (?:{others})\b|\n\.SH ", after, maxsplit=1)[0]
     for key in keys:
         assert re.search(rf'(^\.BR? |\\fB|[{{,] ){key}\b', paragraph, re.M), f"{parent}.{key} is not documented"
+
+
+def _unit_examples() -> list[str]:
+    """The unit files shown in omnid.unit(5) (its .EX blocks that set `exec`), as plain text."""
+    blocks = re.findall(r"^\.EX\n(.*?)^\.EE", MAN, re.S | re.M)
+    plain = [b.replace("\\-", "-").replace("\\(aq", "'").replace("\\(dq", '"').replace("\\e", "\\") for b in blocks]
+    return [p for p in plain if re.search(r"^exec = ", p, re.M)]
+
+
+@pytest.mark.parametrize("text", _unit_examples(), ids=lambda t: t.splitlines()[0][:40])
+def test_every_unit_file_the_man_page_shows_is_one_omnid_accepts(text: str):
+    """What a reader copies from omnid.unit(5) must load (two examples once spread an inline
+    table over lines, which TOML does not allow)."""
+    import tomllib
+
+    raw = tomllib.loads(text)
+    deps = {d for key in ("after", "requires") for d in raw.get(key, [])}
+    errors = check_stack(make_stack({"example": text, **{d: 'exec = ["true"]\n' for d in deps}}))
+    assert not errors, errors
+
+
+def test_the_man_page_shows_unit_files():
+    assert len(_unit_examples()) >= 4

@@ -22,6 +22,10 @@ class BodyTooLarge(ProbeFailed):
     """The answer's body is longer than the cap the caller gave."""
 
 
+class ProbeTimedOut(ProbeFailed):
+    """No whole answer within the timeout (the connection may have been accepted)."""
+
+
 @dataclass(frozen=True)
 class HttpAnswer:
     status: int
@@ -44,13 +48,14 @@ async def tcp_probe(host: str, port: int, timeout: float) -> None:
 
 async def http_request(url: str, timeout: float, *, method: str = "GET", body: bytes = b"",
                        headers: tuple[tuple[str, str], ...] = (), read_body: int | Callable[[int], int] = 0,
-                       body_exact: bool = False) -> HttpAnswer:
+                       body_exact: bool = False, on_connected: Callable[[], None] | None = None) -> HttpAnswer:
     """One HTTP/1.1 request (Connection: close; Content-Length set here when there is a body
     or the method is POST), bounded by `timeout` as a whole. Returns the status and, when
     `read_body` > 0, up to that many bytes of the body (Content-Length, chunked, or to EOF);
     `read_body` may be a function of the status (a failing answer's body only).
     `body_exact`: a body longer than `read_body` is an error (BodyTooLarge) rather than cut.
-    ProbeFailed when there is no answer (refused, timed out, malformed)."""
+    `on_connected` is called once the connection is open (a refusal never calls it).
+    ProbeFailed when there is no answer (refused, timed out: ProbeTimedOut, malformed)."""
     parts = urllib.parse.urlsplit(url)
     host = parts.hostname or "127.0.0.1"
     port = parts.port or 80
@@ -67,6 +72,8 @@ async def http_request(url: str, timeout: float, *, method: str = "GET", body: b
 
     async def go() -> HttpAnswer:
         reader, writer = await asyncio.open_connection(host, port, limit=HEAD_MAX)
+        if on_connected is not None:
+            on_connected()
         try:
             writer.write(request)
             await writer.drain()
@@ -87,7 +94,7 @@ async def http_request(url: str, timeout: float, *, method: str = "GET", body: b
     try:
         return await asyncio.wait_for(go(), timeout)
     except asyncio.TimeoutError as exc:
-        raise ProbeFailed(f"{what} timed out after {timeout:g} s") from exc
+        raise ProbeTimedOut(f"{what} timed out after {timeout:g} s") from exc
     except asyncio.IncompleteReadError as exc:
         raise ProbeFailed(f"{what}: answer cut short ({len(exc.partial)} bytes of a part)") from exc
     except OSError as exc:

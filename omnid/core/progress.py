@@ -4,8 +4,15 @@ when the `busy` gauges summed are > 0 and `counter` has not grown for `stall_sec
 monitor feeds LIVENESS_FAILED and the lifecycle table captures the unit's stacks, then
 kills it -- a hung engine behind a /health that still answers 200.
 
-`StallRule` is the decision, pure (fed observations with their times, returns a reason
-or None); `watch` is the monitor task that scrapes and feeds it."""
+The gauges freeze with a hung engine (vLLM publishes them once per engine step), so one
+that hangs between two batches says "idle" for ever. With a `canary`, an idle unit is asked
+for work: once the gauges have said idle for `stall_sec`, the canary request goes out, and
+if it is accepted and neither answered nor seen producing a token within `stall_sec` while
+the metrics page still answers, the unit is hung. A refused connection judges nothing (the
+server in front may be restarting), nor does a metrics page that stopped answering.
+
+`StallRule` and `CanaryWatch` are the decisions, pure (fed observations with their times,
+they return a reason or None); `watch` is the monitor task that scrapes and feeds them."""
 
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ from omnid.base import promtext
 from omnid.core.centre import Centre
 from omnid.core.lifecycle import Event, Phase, UnitState
 from omnid.core.runtime import UnitRuntime
-from omnid.model.unitmodel import Progress
+from omnid.model.unitmodel import Canary, Progress
 
 log = structlog.get_logger("omnid.supervisor")
 
@@ -71,6 +78,58 @@ class StallRule:
         return f"progress: {self.rule.counter} stuck at {self.counter:g} for {stuck:.1f} s while {gauges}{note}"
 
 
+@dataclass
+class CanaryWatch:
+    """When the canary goes out, and what its end means."""
+
+    stall_sec: float
+    idle_since: float | None = None  # the gauges have said idle since (monotonic)
+    sent_at: float | None = None  # the canary in flight since
+    counter_at_send: float | None = None
+    scraped: bool = False  # the metrics page answered while it was out
+
+    def observe(self, now: float, busy: bool) -> None:
+        """After each metrics page read."""
+        if busy:
+            self.idle_since = None
+        elif self.idle_since is None:
+            self.idle_since = now
+        if self.sent_at is not None:
+            self.scraped = True
+
+    def due(self, now: float) -> bool:
+        return self.sent_at is None and self.idle_since is not None and now - self.idle_since >= self.stall_sec
+
+    def sent(self, now: float, counter: float | None) -> None:
+        self.sent_at, self.counter_at_send, self.scraped = now, counter, False
+
+    def ended(self, now: float, hung: bool, counter: float | None) -> bool:
+        """The canary came back (answered, refused, failed) or timed out after being accepted
+        (`hung`): True when that proves the unit hung. The idle clock starts again."""
+        was_sent = self.sent_at
+        self.sent_at, self.idle_since = None, now
+        return hung and was_sent is not None and self.scraped and counter == self.counter_at_send
+
+
+async def ask(canary: Canary, timeout: float) -> str | None:
+    """Send the canary: None when it was answered (any status: the server is alive), refused
+    or failed early; the reason when it was accepted and no answer came within `timeout`."""
+    connected = False
+
+    def on_connected() -> None:
+        nonlocal connected
+        connected = True
+
+    try:
+        await probes.http_request(canary.url, timeout, method=canary.method, body=canary.body.encode(),
+                                  headers=canary.headers, on_connected=on_connected)
+    except probes.ProbeTimedOut as exc:
+        return str(exc) if connected else None
+    except probes.ProbeFailed as exc:
+        log.info("progress: canary not answered; nothing judged", url=canary.url, error=str(exc))
+    return None
+
+
 async def scrape(rule: Progress) -> tuple[float | None, dict[str, float | None]]:
     """One read of the metrics page: (counter, busy gauges). ProbeFailed says why not."""
     timeout = min(rule.interval, SCRAPE_TIMEOUT_MAX_S)
@@ -89,28 +148,48 @@ async def watch(sup: Centre, rt: UnitRuntime) -> None:
     rule = rt.spec.progress
     assert rule is not None
     state = StallRule(rule)
+    canary = CanaryWatch(rule.stall_sec) if rule.canary is not None else None
+    asking: asyncio.Task[str | None] | None = None
     missing_said = False
     failing: str | None = None
-    while rt.state is UnitState.ACTIVE:
-        await asyncio.sleep(rule.interval)
-        try:
-            counter, busy = await scrape(rule)
-        except probes.ProbeFailed as exc:
-            why = str(exc)
-            if failing != why:
-                log.warning("progress: metrics scrape failed", unit=rt.name, error=why, busy=state.busy_now())
-                failing = why
-            verdict = state.scrape_failed(time.monotonic(), why)
-        else:
-            if failing is not None:
-                log.info("progress: metrics readable again", unit=rt.name)
-                failing = None
-            if counter is None and not missing_said:
-                log.warning("progress: the counter is not in the metrics page; nothing judged until it is",
-                            unit=rt.name, counter=rule.counter, url=rule.metrics)
-                missing_said = True
-            verdict = state.observe(time.monotonic(), counter, busy)
-        if verdict is not None and rt.state is UnitState.ACTIVE and rt.phase is Phase.IDLE:
-            log.warning("progress stalled", unit=rt.name, reason=verdict)
-            sup.feed(rt, Event.LIVENESS_FAILED, verdict)
-            return
+    try:
+        while rt.state is UnitState.ACTIVE:
+            await asyncio.sleep(rule.interval)
+            try:
+                counter, busy = await scrape(rule)
+            except probes.ProbeFailed as exc:
+                why = str(exc)
+                if failing != why:
+                    log.warning("progress: metrics scrape failed", unit=rt.name, error=why, busy=state.busy_now())
+                    failing = why
+                verdict = state.scrape_failed(time.monotonic(), why)
+            else:
+                if failing is not None:
+                    log.info("progress: metrics readable again", unit=rt.name)
+                    failing = None
+                if counter is None and not missing_said:
+                    log.warning("progress: the counter is not in the metrics page; nothing judged until it is",
+                                unit=rt.name, counter=rule.counter, url=rule.metrics)
+                    missing_said = True
+                verdict = state.observe(time.monotonic(), counter, busy)
+                if canary is not None:
+                    canary.observe(time.monotonic(), state.busy_now())
+            if verdict is None and canary is not None and rule.canary is not None:
+                now = time.monotonic()
+                if asking is not None and asking.done():
+                    unanswered = asking.result()
+                    asking = None
+                    if canary.ended(now, unanswered is not None, state.counter):
+                        verdict = (f"progress: canary {unanswered}, and {rule.counter} stayed at {state.counter:g} "
+                                   f"while the metrics answered (their busy gauges said idle: they freeze with "
+                                   f"a hung engine)")
+                if verdict is None and asking is None and canary.due(now):
+                    canary.sent(now, state.counter)
+                    asking = asyncio.get_running_loop().create_task(ask(rule.canary, rule.stall_sec))
+            if verdict is not None and rt.state is UnitState.ACTIVE and rt.phase is Phase.IDLE:
+                log.warning("progress stalled", unit=rt.name, reason=verdict)
+                sup.feed(rt, Event.LIVENESS_FAILED, verdict)
+                return
+    finally:
+        if asking is not None and not asking.done():
+            asking.cancel()

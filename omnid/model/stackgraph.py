@@ -87,6 +87,13 @@ def expand_unit(
             progress = replace(progress, metrics=http_url(x(progress.metrics)))
         except InvalidValue as exc:
             t.error("progress.metrics", str(exc))
+    if progress is not None and progress.canary is not None and progress.canary.url:
+        c = progress.canary
+        c = replace(c, body=x(c.body), headers=tuple((k, x(val)) for k, val in c.headers))
+        try:
+            progress = replace(progress, canary=replace(c, url=http_url(x(c.url))))
+        except InvalidValue as exc:
+            t.error("progress.canary.http", str(exc))
     drain: DrainHook | None = v["drain"]
     if drain is not None and drain.url:
         try:

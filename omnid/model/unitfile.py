@@ -16,7 +16,7 @@ from typing import Any
 from omnid.model.cluster import parse_cluster
 from omnid.base.ownership import UnsafePath, read_unit_file
 from omnid.model.keys import TEMPLATE_KEYS, UNIT_KEY_BY_NAME, UNIT_KEY_TABLE, UNIT_KEYS
-from omnid.model.unitmodel import MAX_PASSED_FDS, DaemonSettings, ListenSocket, Liveness, LogFormat, Progress, ReadyKind, TorchDistributed, UnitFileError, UpdatePolicy
+from omnid.model.unitmodel import MAX_PASSED_FDS, Canary, DaemonSettings, ListenSocket, Liveness, LogFormat, Progress, ReadyKind, TorchDistributed, UnitFileError, UpdatePolicy
 from omnid.model.unitvalues import InvalidValue, Table, argv, boolean, choice, describe, integer, nonempty_string, quote, seconds, string, string_list, parse_host_port
 
 
@@ -25,7 +25,8 @@ from omnid.model.unitvalues import InvalidValue, Table, argv, boolean, choice, d
 
 TORCH_DISTRIBUTED_KEYS = ("master_addr", "master_port")
 LIVENESS_KEYS = ("http", "exec", "method", "body", "headers", "expect", "interval", "timeout", "failures")
-PROGRESS_KEYS = ("metrics", "counter", "busy", "stall_sec", "interval")
+PROGRESS_KEYS = ("metrics", "counter", "busy", "stall_sec", "interval", "canary")
+CANARY_KEYS = ("http", "method", "body", "headers")
 SOCKET_KEYS = ("listen", "name", "backlog", "mode", "reuseport")
 MAX_SOCKETS = 64  # per unit: held open by the daemon for as long as the unit is in the stack
 SETTINGS_KEYS = ("control", "state_dir", "health_listen", "log_format", "cgroup_root", "drain_sec", "stop_deadline", "cluster",
@@ -247,11 +248,30 @@ def _progress(file: Path, raw: Any, errors: list[UnitFileError]) -> Progress | N
         busy=pt.get("busy", (), _metric_names),
         stall_sec=pt.get("stall_sec", 60.0, seconds(zero_ok=False)),
         interval=pt.get("interval", 5.0, seconds(zero_ok=False)),
+        canary=_canary(file, raw["canary"], errors) if "canary" in raw else None,
     )
     if p.interval > p.stall_sec:
         pt.error("interval", f"expected seconds <= stall_sec ({p.stall_sec:g}): a stall is seen only between "
                  f"two scrapes; got {p.interval:g}")
     return p
+
+
+def _canary(file: Path, raw: Any, errors: list[UnitFileError]) -> Canary | None:
+    expected = ('a table { http = "http://HOST:PORT/v1/completions", method = "POST", headers = { ... }, '
+                'body = "..." }')
+    if not isinstance(raw, dict):
+        errors.append(UnitFileError(file, "progress.canary", f"expected {expected}, got {describe(raw)}"))
+        return None
+    ct = Table(file, raw, errors, prefix="progress.canary.")
+    ct.check_keys(CANARY_KEYS)
+    if "http" not in raw:
+        ct.error("http", f"missing; expected {expected}")
+    method = ct.get("method", "POST", _choice_of("GET", "POST"))
+    body = ct.get("body", "", string)
+    if body and method != "POST":
+        ct.error("body", 'is sent with method = "POST" only; expected method = "POST" or no body')
+    return Canary(url=ct.get("http", "", string),  # URL checked after %i expansion
+                  method=method, body=body, headers=ct.get("headers", (), _headers))
 
 
 _SOCKET_EXPECTED = ('an array of tables { listen = "HOST:PORT" or "/path.sock", name = "http", backlog = 1024, '

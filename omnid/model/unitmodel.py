@@ -112,16 +112,30 @@ class Liveness:
 
 
 @dataclass(frozen=True)
+class Canary:
+    """The request the progress rule sends itself once the busy gauges have said idle for
+    `stall_sec` (a one-token completion): accepted and neither answered nor seen producing a
+    token within `stall_sec` while the metrics still answer, the unit is hung."""
+
+    url: str
+    method: str = "POST"
+    body: str = ""
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class Progress:
     """Forward-progress watchdog on a Prometheus endpoint: the unit fails when the `busy`
     gauges (summed over their labels) are > 0 and `counter` (summed) has not grown for
-    `stall_sec` seconds; scraped every `interval` seconds."""
+    `stall_sec` seconds; scraped every `interval` seconds. With a `canary`, an idle unit is
+    asked for work now and then, for the gauges freeze with a hung engine."""
 
     metrics: str
     counter: str
     busy: tuple[str, ...]
     stall_sec: float = 60.0
     interval: float = 5.0
+    canary: Canary | None = None
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ NEW_KEYS = {
     "remove_ipc": "remove_ipc = true",
     "private_tmp": "private_tmp = true",
     "liveness_post": 'liveness = { http = "http://127.0.0.1:1/x", method = "POST", body = "{}", expect = 200 }',
+    "progress_canary": 'progress = { metrics = "http://127.0.0.1:1/m", counter = "c", busy = ["b"], '
+                       'canary = { http = "http://127.0.0.1:1/x" } }',
 }
 _known: dict[str, bool] = {}
 
@@ -55,14 +57,13 @@ def unit_toml(python: Path | str, model: Path | str, port: int, *, stall_sec: in
               liveness: bool = True) -> str:
     """The API server (which starts EngineCore, which starts the Worker) as one unit.
 
-    Probes: `ready` on vLLM's /health; `progress` on its Prometheus counters (the hang
-    detector: tokens must be generated while requests are running); `liveness` a one-token
-    completion, the canary that catches what the other two cannot: an API server that closed
-    its port and never exits (seen after a SIGINT, its shutdown hung for minutes with
-    EngineCore and Worker alive), and a Worker that hung between two batches (vLLM publishes
-    its gauges per engine step: they freeze at 0 running, and `progress` sees an idle
-    engine). Keys this omnid does not know yet are left out (their tests are expected
-    failures)."""
+    Probes: `ready` on vLLM's /health; `liveness` on it too (an API server that closed its
+    port and never exits: seen after a SIGINT, its shutdown hung for minutes with EngineCore
+    and Worker alive); `progress` on its Prometheus counters (the hang detector: tokens must
+    be generated while requests are running), with a one-token completion as its `canary`
+    for a Worker that hangs between two batches (vLLM publishes its gauges per engine step:
+    they freeze at 0 running, and the rule alone sees an idle engine). Keys this omnid does
+    not know yet are left out (their tests are expected failures)."""
     base = f"http://127.0.0.1:{port}"
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
@@ -104,14 +105,14 @@ def unit_toml(python: Path | str, model: Path | str, port: int, *, stall_sec: in
         lines.append("ready_interval = 1")
     if liveness:
         # 3 failures 2 s apart, each given 5 s: a 2-core machine loading the next test's engine
-        # must not make a serving vLLM look dead; a closed port fails in ~6 s, a hang in ~21 s.
-        body = json.dumps({"model": MODEL_NAME, "prompt": "ping", "max_tokens": 1})
-        lines.append(f'liveness = {{ http = "{base}/v1/completions", method = "POST", '
-                     f'headers = {{ "Content-Type" = "application/json" }}, body = {json.dumps(body)}, '
-                     f'interval = 2, timeout = 5, failures = 3 }}')
+        # must not make a serving vLLM look dead; a closed port fails in ~6 s.
+        lines.append(f'liveness = {{ http = "{base}/health", interval = 2, timeout = 5, failures = 3 }}')
     if progress and knows("progress"):
+        body = json.dumps({"model": MODEL_NAME, "prompt": "ping", "max_tokens": 1})
+        canary = (f', canary = {{ http = "{base}/v1/completions", headers = {{ "Content-Type" = "application/json" }}, '
+                  f'body = {json.dumps(body)} }}' if knows("progress_canary") else "")
         lines.append(f'progress = {{ metrics = "{base}/metrics", counter = "vllm:generation_tokens_total", '
-                     f'busy = ["vllm:num_requests_running"], stall_sec = {stall_sec}, interval = 1 }}')
+                     f'busy = ["vllm:num_requests_running"], stall_sec = {stall_sec}, interval = 1{canary} }}')
     if extra:
         lines.append(textwrap.dedent(extra))
     return "\n".join(lines) + "\n"

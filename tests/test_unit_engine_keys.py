@@ -84,7 +84,7 @@ def test_http_probe_mistakes_cannot_inject_a_request(tmp_path: Path) -> None:
         exec = ["sleep", "1"]
         liveness = { http = "http://127.0.0.1:1/", headers = { "X-A" = "a\\r\\nHost: evil" }, body = "x", expect = 700 }
     '''))
-    assert got["liveness.headers.X-A"] == "expected a string without line breaks, got string \"a\\r\\nHost: evil\""
+    assert got["liveness.headers.X-A"] == "expected an ASCII string without line breaks, got string \"a\\r\\nHost: evil\""
     assert got["liveness.body"].startswith('is sent with method = "POST" only')
     assert got["liveness.expect"].startswith("expected an HTTP status (100 to 599)")
     got = messages(write(tmp_path, 'exec = ["sleep", "1"]\nliveness = { interval = 1 }\n'))
@@ -92,3 +92,21 @@ def test_http_probe_mistakes_cannot_inject_a_request(tmp_path: Path) -> None:
     got = messages(write(tmp_path, 'exec = ["sleep", "1"]\nliveness = { http = "x", headers = { Host = "h" } }\n'))
     assert "not Host" in got["liveness.headers.Host"]
     assert got["liveness.http"].startswith("expected an http:// or https:// URL")
+
+
+def test_probe_urls_and_headers_must_be_ascii_and_the_canary_is_checked_like_a_liveness_post(tmp_path: Path) -> None:
+    """They go on the request line and in the head as they are: a character Latin-1 cannot
+    encode used to pass the checks and fail every probe at run time."""
+    got = messages(write(tmp_path, """
+        exec = ["sleep", "1"]
+        liveness = { http = "http://127.0.0.1:1/\u20ac", headers = { "X-A" = "\u20acuro" } }
+        progress = { metrics = "http://127.0.0.1:1/m", counter = "c", busy = ["b"], canary = { method = "GET", body = "x", headers = { Host = "h" } } }
+    """))
+    assert got["liveness.http"].startswith("expected a URL in ASCII (percent-encode the rest"), got
+    assert got["liveness.headers.X-A"].startswith("expected an ASCII string without line breaks"), got
+    assert got["progress.canary.http"].startswith("missing; expected a table { http ="), got
+    assert got["progress.canary.body"].startswith('is sent with method = "POST" only'), got
+    assert "not Host" in got["progress.canary.headers.Host"], got
+    got = messages(write(tmp_path, 'exec = ["sleep", "1"]\nprogress = { metrics = "http://127.0.0.1:1/m", '
+                                   'counter = "c", busy = ["b"], canary = "http://127.0.0.1:1/x" }\n'))
+    assert got["progress.canary"].startswith("expected a table { http ="), got

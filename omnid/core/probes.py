@@ -68,7 +68,10 @@ async def http_request(url: str, timeout: float, *, method: str = "GET", body: b
     if body or method == "POST":
         head.append(f"Content-Length: {len(body)}")
     head.append("Connection: close")
-    request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+    try:
+        request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+    except UnicodeEncodeError as exc:  # the unit file's checks keep URLs and headers ASCII
+        raise ProbeFailed(f"{what}: cannot be sent ({exc.reason} in the URL or a header)") from None
 
     async def go() -> HttpAnswer:
         reader, writer = await asyncio.open_connection(host, port, limit=HEAD_MAX)

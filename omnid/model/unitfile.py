@@ -204,8 +204,8 @@ def _headers(value: Any) -> tuple[tuple[str, str], ...]:
         if not _HEADER_NAME.fullmatch(name) or name.lower() in ("host", "content-length", "connection"):
             raise InvalidValue("expected an HTTP header name (letters, digits, '-'; not Host, Content-Length or "
                                f"Connection, which omnid sets), got {quote(name)}", name)
-        if not isinstance(text, str) or any(c in text for c in "\r\n\0"):
-            raise InvalidValue(f"expected a string without line breaks, got {describe(text)}", name)
+        if not isinstance(text, str) or any(c in text for c in "\r\n\0") or not text.isascii():
+            raise InvalidValue(f"expected an ASCII string without line breaks, got {describe(text)}", name)
         out.append((name, text))
     return tuple(out)
 

@@ -343,6 +343,9 @@ def http_url(value: Any) -> str:
             raise InvalidValue(f'expected an http:// or https:// URL such as "{example}", got {describe(value)} '
                                f"({exc})") from None
         if parts.scheme in ("http", "https") and host and not any(c.isspace() for c in value):
+            if not value.isascii():  # it goes on the request line as it is
+                raise InvalidValue(f"expected a URL in ASCII (percent-encode the rest, e.g. %E2%82%AC), "
+                                   f"got {describe(value)}")
             return value
     raise InvalidValue(f'expected an http:// or https:// URL such as "{example}", got {describe(value)}')
 

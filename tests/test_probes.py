@@ -345,6 +345,10 @@ def test_canary_watch_blames_only_an_accepted_unanswered_canary_with_a_flat_coun
     # the metrics page stopped answering too: the server in front is down, not the engine
     w.sent(162, counter=6)
     assert not w.ended(172, hung=True, counter=6)
+    # a counter not in the page (a misspelt name): nothing is judged, as for the rule itself
+    w.sent(182, counter=None)
+    w.observe(183, busy=False)
+    assert not w.ended(192, hung=True, counter=None)
 
 
 def test_progress_canary_catches_an_engine_hung_while_idle_and_a_refused_canary_judges_nothing(
@@ -371,7 +375,7 @@ def test_progress_canary_catches_an_engine_hung_while_idle_and_a_refused_canary_
     eng.set(gen="ok")
     assert u["reason"].startswith("progress: canary POST " + eng.url("/v1/completions") + " timed out after 1 s"), u
     assert "vllm:generation_tokens_total stayed at" in u["reason"], u
-    assert took <= 2 * (stall + interval) + 3, took  # idle stall_sec, then stall_sec for the answer
+    assert took <= 2 * (stall + interval) + 5, took  # idle stall_sec, then stall_sec for the answer; room for load
     assert d.unit("other")["state"] == "active" and d.unit("other")["pid"] == other_pid, d.unit("other")
     print(f"\nprogress canary: an engine hung while idle caught {took:.2f} s after the hang "
           f"(stall_sec {stall}, interval {interval}); a refused canary failed nothing")

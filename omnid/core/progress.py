@@ -105,10 +105,12 @@ class CanaryWatch:
 
     def ended(self, now: float, hung: bool, counter: float | None) -> bool:
         """The canary came back (answered, refused, failed) or timed out after being accepted
-        (`hung`): True when that proves the unit hung. The idle clock starts again."""
+        (`hung`): True when that proves the unit hung. The idle clock starts again. A counter
+        not in the page (None) judges nothing, as for the rule itself."""
         was_sent = self.sent_at
         self.sent_at, self.idle_since = None, now
-        return hung and was_sent is not None and self.scraped and counter == self.counter_at_send
+        return (hung and was_sent is not None and self.scraped and counter is not None
+                and counter == self.counter_at_send)
 
 
 async def ask(canary: Canary, timeout: float) -> str | None:

@@ -66,10 +66,40 @@ def cgroup2_for_tests() -> tuple[str | None, str]:
     return None, f"no writable cgroup v2 mount (mounted: {', '.join(mounts)}; read-only or cgroup.procs not writable)"
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_EPHEMERAL_LOW = _ephemeral_low()
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nobody listens on now, for a unit to bind a moment later, taken from below the
+    kernel's ephemeral range. A port the kernel picks for bind(0) is one it may also give the
+    next outgoing connection as its source port; a unit binding it then gets "Address already
+    in use" (CI: the demo engine, right after a load test's thousands of connections). Never
+    the same port twice in one test run."""
+    import random
+
+    high = _EPHEMERAL_LOW
+    low = max(10000, high - 12000)
+    for _ in range(1000):
+        port = random.randrange(low, high)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {low}-{high - 1}")
 
 
 def make_stack(units: dict[str, str], settings: str | None = None) -> Path:

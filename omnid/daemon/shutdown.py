@@ -26,6 +26,9 @@ log = structlog.get_logger("omnid.daemon.main")
 # After a forced stop's SIGKILL to every unit: how long the kernel's proof of each unit's end
 # is waited for before the daemon goes on to stop the spawner (whose exit kills what is left).
 FORCED_WAIT_S = 5.0
+# Leaving the groups across hosts and giving the lease back, at most: past it the daemon exits
+# anyway (the lease expires by itself within lease_ttl, and the peers stop their ranks then).
+CLUSTER_CLOSE_S = 10.0
 
 
 async def stop_daemon(daemon: DaemonParts, startup_task: asyncio.Task | None) -> int:
@@ -55,7 +58,15 @@ async def stop_daemon(daemon: DaemonParts, startup_task: asyncio.Task | None) ->
     recs = await _stop_units_bounded(daemon)
     if daemon.cleanup is not None:  # removals of failed units' leftovers still under way
         await daemon.cleanup.settle()
-    await clusterwiring.close_cluster(daemon)
+    closing = asyncio.ensure_future(clusterwiring.close_cluster(daemon))
+    done, _ = await asyncio.wait({closing}, timeout=CLUSTER_CLOSE_S)  # never waits on a stuck close's cancel
+    if not done:
+        closing.cancel()
+        log.error("leaving the cluster did not end in time: exiting anyway; this host's etcd lease expires by itself",
+                  seconds=CLUSTER_CLOSE_S)
+    elif closing.exception() is not None:
+        log.error("leaving the cluster failed: exiting anyway; this host's etcd lease expires by itself",
+                  error=f"{type(closing.exception()).__name__}: {closing.exception()}")
     daemon.shutdown_result.set_result(recs)
     left = [p for p in linux.children_of(daemon.spawner.pid)
             if (st := linux.read_stat(p)) is not None and st.state not in ("Z", "X")]

@@ -27,11 +27,19 @@ class Handler(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class Server(http.server.ThreadingHTTPServer):
+    """The shared address's server: its request threads are not daemons, so a request it has
+    accepted is answered before the process exits (ThreadingHTTPServer's daemon threads die
+    with the interpreter, mid-answer, and the client sees a closed connection)."""
+
+    daemon_threads = False
+
+
 def main() -> None:
     health_port = int(sys.argv[1])
     time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 0.3)
     assert os.environ.get("LISTEN_PID") == str(os.getpid()) and os.environ.get("LISTEN_FDS") == "1"
-    main_srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler, bind_and_activate=False)
+    main_srv = Server(("127.0.0.1", 0), Handler, bind_and_activate=False)
     main_srv.socket.close()
     main_srv.socket = socket.socket(fileno=3)
     health = http.server.ThreadingHTTPServer(("127.0.0.1", health_port), Handler)
@@ -47,6 +55,7 @@ def main() -> None:
         s.shutdown()
     health.server_close()
     main_srv.socket.detach()  # fd 3 is omnid's socket too: it keeps it; ours closes with us
+    # the interpreter joins the request threads under way (not daemons) before it exits
 
 
 if __name__ == "__main__":

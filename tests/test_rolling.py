@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+from datetime import datetime
 
 from omnid.model.units import check_stack
 from tests.harness import REPO, alive, free_port, make_stack, wait_for
@@ -56,18 +57,24 @@ def server_unit(port: int, prefix: str, extra: str = "", exec_: str | None = Non
 FRONT = 'exec = ["sleep", "1000"]\nrequires = ["srv"]\nstop_timeout = 2\n'
 
 
-def get(port: int, path: str, timeout: float) -> int | None:
-    """The pid that answered, or None (refused, reset, timed out, not 200)."""
+def answer(port: int, path: str, timeout: float) -> int | str:
+    """The pid that answered, or what went wrong (refused, reset, timed out, not 200)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         conn.request("GET", path)
         r = conn.getresponse()
         body = r.read()
-        return int(body) if r.status == 200 else None
-    except (OSError, ValueError, http.client.HTTPException):
-        return None
+        return int(body) if r.status == 200 else f"HTTP {r.status}"
+    except (OSError, ValueError, http.client.HTTPException) as e:
+        return f"{type(e).__name__}: {e}"
     finally:
         conn.close()
+
+
+def get(port: int, path: str, timeout: float) -> int | None:
+    """The pid that answered, or None."""
+    got = answer(port, path, timeout)
+    return got if isinstance(got, int) else None
 
 
 class Load:
@@ -76,6 +83,7 @@ class Load:
     def __init__(self, port: int, prefix: str) -> None:
         self.port, self.prefix = port, prefix
         self.ok = self.failed = 0
+        self.errors: list[str] = []  # when (wall clock, as the daemon's log) and what, for each failure
         self.served_by: set[int] = set()
         self.samples: list[int] = []
         self.stop = threading.Event()
@@ -83,12 +91,13 @@ class Load:
 
     def _requests(self) -> None:
         while not self.stop.is_set():
-            pid = get(self.port, "/", 10)
-            if pid is None:
-                self.failed += 1
-            else:
+            got = answer(self.port, "/", 10)
+            if isinstance(got, int):
                 self.ok += 1
-                self.served_by.add(pid)
+                self.served_by.add(got)
+            else:
+                self.failed += 1
+                self.errors.append(f"{datetime.now().isoformat(timespec='milliseconds')} {got}")
             time.sleep(0.002)
 
     def _capacity(self) -> None:
@@ -109,7 +118,8 @@ class Load:
 
     def report(self) -> str:
         return (f"requests ok={self.ok} failed={self.failed}; capacity samples={len(self.samples)} "
-                f"min={min(self.samples)} below-4={sum(s < 4 for s in self.samples)}")
+                f"min={min(self.samples)} below-4={sum(s < 4 for s in self.samples)}"
+                + "".join(f"\n  failed at {e}" for e in self.errors))
 
 
 def pids(d, names) -> dict[str, tuple[int, int]]:

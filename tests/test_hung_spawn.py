@@ -7,15 +7,18 @@ compiled spawn path (vfork: the case that froze the spawner) and on the Python o
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import time
 
 import pytest
+import zmq
 
 from omnid.base import linux
 from omnid.process.spawnexec import SPAWN_EXEC_TIMEOUT_S
-from tests.harness import make_stack, wait_for
+from tests.harness import alive, make_stack, wait_for
 from tests.hung import fuse_available, hung_fuse_mount
 
 N = 16
@@ -130,3 +133,49 @@ def test_the_mount_table_is_read_with_its_escapes(tmp_path):
         assert (str(where), "tmpfs") in _mounts()
     finally:
         libc.umount2(str(where).encode(), 2)
+
+
+def daemon_threads_on_fuse(pid: int) -> list[int]:
+    """The daemon's threads waiting on FUSE (from /proc/PID/task/*/wchan)."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                if f.read().startswith("fuse"):
+                    out.append(int(tid))
+        except OSError:
+            pass
+    return out
+
+
+def test_a_check_stuck_on_a_hung_mount_does_not_keep_the_daemon_from_exiting(hung_mount, daemon_factory):
+    """`check` of a directory on a hung mount leaves a daemon thread in the kernel (the request
+    itself times out on its own). Before, SIGTERM stopped the units and the daemon then waited
+    for that thread forever (asyncio.run's end, then the interpreter's). Now its end is bounded:
+    it names the thread and where it is stuck, and exits with its exit code."""
+    d = daemon_factory(make_stack({"a": 'exec = ["sleep", "1000"]\n'}))
+    d.wait_all_active(30)
+    unit_pid = d.unit("a")["pid"]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"ipc://{d.control}")
+        sock.send(json.dumps({"id": 1, "cmd": "check", "args": {"units_dir": f"{hung_mount}/units"}}).encode())
+        stuck = wait_for(lambda: daemon_threads_on_fuse(d.pid), 10, "a daemon thread waiting on the mount")
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        try:
+            code = d.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the daemon did not exit 60 s after SIGTERM (threads on the mount: "
+                                 f"{daemon_threads_on_fuse(d.pid)}); its log ends:\n{d.log()[-3000:]}") from None
+    finally:
+        sock.close(0)
+        ctx.term()
+    took = time.monotonic() - t0
+    print(f"\nthread {stuck} stuck on the mount: the daemon exited {took:.1f} s after SIGTERM, code {code}")
+    assert code == 0, d.log()[-3000:]
+    assert not alive(unit_pid)
+    end = [e for e in d.log_events() if e.get("event") == "exiting without what did not end in time"]
+    assert end and any(x.startswith("thread ") and "ownership.py" in x for x in end[0]["left"]), d.log()[-3000:]

@@ -7,11 +7,15 @@
 - `DaemonTask`: a daemon-wide task (control reader, GPU watch). An unexpected
   exception is logged once and the task is started again (after a short,
   growing pause, so a task that crashes at once cannot spin the loop).
+- `suspended_at` / `pending_tasks`: where tasks wait, for the log line of a bounded
+  wait that ran out (which await never ended).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import types
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -94,3 +98,31 @@ class DaemonTask:
             self._timer.cancel()
         if self.task is not None and not self.task.done():
             self.task.cancel()
+
+
+def suspended_at(task: asyncio.Task, limit: int = 16) -> list[str]:
+    """Where a pending task waits: its chain of awaits, outermost first, each as
+    "function (dir/file.py:line)". Task.get_stack gives only the outermost frame of a suspended
+    task; this follows each coroutine's await into the next, through async generators
+    (`async for`), and ends at a future (a task it awaits has a chain of its own)."""
+    out: list[str] = []
+    obj: object = task.get_coro()
+    while obj is not None and len(out) < limit:
+        if type(obj).__name__ == "async_generator_asend":  # `async for` / __anext__: the generator is behind it
+            obj = next((r for r in gc.get_referents(obj) if isinstance(r, types.AsyncGeneratorType)), None)
+            continue
+        frame = getattr(obj, "cr_frame", None) or getattr(obj, "ag_frame", None) or getattr(obj, "gi_frame", None)
+        if frame is None:
+            break
+        path = "/".join(frame.f_code.co_filename.rsplit("/", 2)[-2:])
+        out.append(f"{frame.f_code.co_name} ({path}:{frame.f_lineno})")
+        obj = getattr(obj, "cr_await", None) or getattr(obj, "ag_await", None) or getattr(obj, "gi_yieldfrom", None)
+    return out
+
+
+def pending_tasks(loop: asyncio.AbstractEventLoop | None = None) -> dict[str, str]:
+    """Every task of the loop not done (but the one asking): name -> where it waits."""
+    loop = loop or asyncio.get_running_loop()
+    here = asyncio.current_task(loop) if loop.is_running() else None
+    return {t.get_name(): " > ".join(suspended_at(t)) or "?" for t in asyncio.all_tasks(loop)
+            if t is not here and not t.done()}

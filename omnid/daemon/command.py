@@ -13,7 +13,6 @@ what happens before the event loop runs, on each of the two ways in:
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import os
 import sys
@@ -24,6 +23,7 @@ import structlog
 from omnid.process import cgroup as cgroup_mod
 from omnid.base import linux
 from omnid.base import logconfig
+from omnid.base import runloop
 from omnid.daemon import record as reexecrecord
 from omnid.model import settings
 from omnid.api.control import ControlError, prepare_socket_dir
@@ -124,7 +124,7 @@ def _start_fresh(udir: str, control: str | None, state_dir: str | None, health_l
     # pidfds and pipes must not run libzmq out of fds (it aborts on EMFILE).
     raise_nofile_limit()
     try:
-        return asyncio.run(daemon.start_fresh())
+        return runloop.run(daemon.start_fresh())
     except SpawnerGone as exc:
         log.error("spawner failed to start", error=str(exc))
         return 1
@@ -152,7 +152,7 @@ def _continue_after_reexec(rec: dict) -> int | None:
     log.info("taking over from the previous program", from_version=rec["from_version"],
              to_version=rec["to_version"], reexecs=daemon.reexecs)
     try:
-        return asyncio.run(daemon.continue_after_reexec(rec))
+        return runloop.run(daemon.continue_after_reexec(rec))
     finally:
         os.close(daemon.lock_fd)
 

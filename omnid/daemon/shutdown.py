@@ -1,8 +1,9 @@
 """The daemon's end: once a stop was asked (SIGTERM/SIGINT, `omnid shutdown`, the spawner's
 death, exit_when_failed), drain if asked to, stop the stack in order within its deadline
 (past it, or on a second signal, SIGKILL to every unit), close the cluster membership and
-the fronts, stop the spawner, remove the state file. `stop_daemon` receives the
-the daemon (omnid.daemon.parts.DaemonParts) and returns its exit code.
+the fronts, stop the spawner, remove the state file. `stop_daemon` receives the daemon
+(omnid.daemon.parts.DaemonParts) and returns its exit code; what the event loop still holds
+after it (a task that will not end, a thread stuck in the kernel) is omnid.base.runloop's.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import structlog
 from omnid.daemon import clusterwiring
 from omnid.daemon import fronts
 from omnid.base import linux
+from omnid.base.tasks import pending_tasks, suspended_at
+from omnid.forensics import capture
 
 if TYPE_CHECKING:
     from omnid.daemon.parts import DaemonParts
@@ -61,9 +64,9 @@ async def stop_daemon(daemon: DaemonParts, startup_task: asyncio.Task | None) ->
     closing = asyncio.ensure_future(clusterwiring.close_cluster(daemon))
     done, _ = await asyncio.wait({closing}, timeout=CLUSTER_CLOSE_S)  # never waits on a stuck close's cancel
     if not done:
-        closing.cancel()
         log.error("leaving the cluster did not end in time: exiting anyway; this host's etcd lease expires by itself",
-                  seconds=CLUSTER_CLOSE_S)
+                  seconds=CLUSTER_CLOSE_S, waiting_in=" > ".join(suspended_at(closing)), tasks=pending_tasks())
+        closing.cancel()
     elif closing.exception() is not None:
         log.error("leaving the cluster failed: exiting anyway; this host's etcd lease expires by itself",
                   error=f"{type(closing.exception()).__name__}: {closing.exception()}")
@@ -85,6 +88,7 @@ async def stop_daemon(daemon: DaemonParts, startup_task: asyncio.Task | None) ->
     sup.sockets.close_all()  # every unit is stopped: their sockets (and socket files) go
     sup.fdstore.close_all()  # and what they stored
     await daemon.spawner.shutdown()
+    capture.close_readers()  # idle /proc reader threads would hold the end (omnid.base.runloop)
     if daemon.cleanup is not None:
         daemon.cleanup.close()
     daemon.state.remove()

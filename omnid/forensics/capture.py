@@ -93,8 +93,19 @@ class _Readers:
         with self._lock:
             self.in_flight -= 1
 
+    def close(self) -> None:
+        """The idle threads end now; one blocked in the kernel is left to the daemon's end."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
 
 _readers = _Readers()
+
+
+def close_readers() -> None:
+    """At the daemon's end: the /proc reader threads go (a capture later starts them again)."""
+    _readers.close()
 
 
 def _read_text(path: str, limit: int = 1 << 16) -> str:

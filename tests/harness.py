@@ -167,6 +167,18 @@ def remove_cgroup_tree(path: str | None, timeout: float = 10.0) -> None:
     assert cgm._rmtree(path), f"could not remove cgroup root {path}: {os.listdir(path)}"
 
 
+def py_stacks(pid: int) -> str:
+    """The Python stacks of a process's threads, read from outside (py-spy, as omnid's forensics):
+    what a daemon that does not exit is doing, for the warning that reports it."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    try:
+        r = subprocess.run([spy, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True,
+                           timeout=15)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"(py-spy: {exc})"
+    return (r.stdout + r.stderr)[-4000:]
+
+
 class Daemon:
     def __init__(self, units_dir: Path | str, env: dict[str, str] | None = None, python: str | None = None,
                  cgroup_root: str | None = None, cwd: Path | str | None = None) -> None:
@@ -249,7 +261,8 @@ class Daemon:
                 import warnings
 
                 warnings.warn(f"omnid daemon pid {self.proc.pid} still running 60 s after SIGTERM (killed); "
-                              f"its log ends:\n{self.log()[-3000:]}", stacklevel=2)
+                              f"its log ends:\n{self.log()[-3000:]}\nits threads now:\n{py_stacks(self.proc.pid)}",
+                              stacklevel=2)
                 self.proc.kill()
                 self.proc.wait(10)
         if self.proc is not None:

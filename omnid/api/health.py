@@ -111,6 +111,7 @@ class UsageCache:
 MAX_CONNECTIONS = 256  # open health connections; more are closed at accept (man omnid(8) SECURITY)
 FIRST_BYTE_TIMEOUT_S = 5.0  # a connection that sends nothing is closed after this
 KEEPALIVE_TIMEOUT_S = 5.0  # an idle keep-alive connection is closed after this
+SHUTDOWN_TIMEOUT_S = 2.0  # at the daemon's end, requests under way get this long (aiohttp's default: 60 s)
 
 
 class _ConnectionGuard:
@@ -243,7 +244,7 @@ class HealthServer:
     async def start(self, sock: socket.socket | None = None) -> None:
         """Serve on `sock` (already bound and listening) or bind HOST:PORT now."""
         self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
-                                    keepalive_timeout=KEEPALIVE_TIMEOUT_S)
+                                    keepalive_timeout=KEEPALIVE_TIMEOUT_S, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await self.runner.setup()
         if sock is None:
             family = socket.AF_INET6 if ":" in self.host else socket.AF_INET

@@ -19,7 +19,7 @@ import errno
 import os
 import socket
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import structlog
@@ -104,34 +104,39 @@ def bind(spec: ListenSocket, owner: tuple[int, int] = (-1, -1)) -> socket.socket
     """A listening, non-blocking, close-on-exec socket for `spec`; OSError from the kernel."""
     if spec.unix:
         _unlink_stale(spec.listen)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        try:
-            # umask 0 for the bind (no window with a wider mode), the mode set exactly after it.
-            old = os.umask(0o777)
-            try:
-                sock.bind(spec.listen)
-            finally:
-                os.umask(old)
-            os.chmod(spec.listen, spec.mode)
-            if owner != (-1, -1):
-                os.chown(spec.listen, *owner)
-            sock.listen(spec.backlog)
-        except OSError:
-            sock.close()
-            raise
-        sock.setblocking(False)
-        return sock
+        return _listening(socket.AF_UNIX, lambda sock: _bind_unix(sock, spec, owner), spec.backlog)
     host, port = parse_host_port(spec.listen)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    try:
+
+    def bind_inet(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT of a past run is no clash
         if spec.reuseport:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # "[::]" is IPv6 only, as written
         sock.bind((host, port))
-        sock.listen(spec.backlog)
+
+    return _listening(family, bind_inet, spec.backlog)
+
+
+def _bind_unix(sock: socket.socket, spec: ListenSocket, owner: tuple[int, int]) -> None:
+    # umask 0o777 for the bind (no window with a wider mode), the mode set exactly after it.
+    old = os.umask(0o777)
+    try:
+        sock.bind(spec.listen)
+    finally:
+        os.umask(old)
+    os.chmod(spec.listen, spec.mode)
+    if owner != (-1, -1):
+        os.chown(spec.listen, *owner)
+
+
+def _listening(family: int, bind_it: Callable[[socket.socket], None], backlog: int) -> socket.socket:
+    """A new socket of `family`, bound by `bind_it`, listening; closed again if either fails."""
+    sock = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        bind_it(sock)
+        sock.listen(backlog)
     except OSError:
         sock.close()
         raise

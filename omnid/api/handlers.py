@@ -20,6 +20,7 @@ from omnid.base import closer, linux
 from omnid.process import output
 from omnid import gpu as gpu_mod
 from omnid.api.control import ControlError, Handler
+from omnid.api.stackreads import StackReads
 from omnid.core.errors import RequestRefused
 from omnid.core.supervisor import UnitNotFound
 from omnid.process.termination import StopRecord
@@ -91,6 +92,7 @@ class ControlHandlers:
     def __init__(self, daemon: Any, check_new_program: CheckNewProgram) -> None:
         self.d = daemon  # omnid.daemon.Daemon (which imports this module)
         self.check_new_program = check_new_program
+        self.reads = StackReads()  # check's and reload's reads of a stack directory
 
     @property
     def sup(self):  # noqa: ANN201 - the supervisor, once the daemon made it
@@ -286,9 +288,10 @@ class ControlHandlers:
         if not isinstance(directory, str):
             raise ControlError("bad_request", "\"units_dir\" must be a path")
         # Off the loop (a big stack takes seconds to read) and bounded: /health and deaths
-        # keep their milliseconds while it runs.
+        # keep their milliseconds while it runs; a read stuck on a hung mount holds a thread of
+        # its own (omnid.api.stackreads).
         try:
-            errors = await asyncio.wait_for(asyncio.to_thread(check_stack, directory), CHECK_TIMEOUT_S)
+            errors = await self.reads.run(f"check {directory}", lambda: check_stack(directory), CHECK_TIMEOUT_S)
         except TimeoutError:
             raise ControlError("timeout", f"checking {directory} took more than {CHECK_TIMEOUT_S:g} s") from None
         return {"ok": not errors, "units_dir": directory, "errors": [str(e) for e in errors]}
@@ -348,7 +351,7 @@ class ControlHandlers:
             raise ControlError("shutting_down", "the stack is stopping; reload refused (nothing changed)")
         directory = d.cfg.units_dir
         try:
-            new = await asyncio.wait_for(asyncio.to_thread(load_stack, directory), CHECK_TIMEOUT_S)
+            new = await self.reads.run(f"reload {directory}", lambda: load_stack(directory), CHECK_TIMEOUT_S)
         except StackInvalid as exc:
             raise ControlError("invalid_stack", f"{directory}: {len(exc.errors)} error(s); nothing changed:\n"
                                + "\n".join(f"  {e}" for e in exc.errors)) from None

@@ -74,12 +74,12 @@ def end_loop(loop: asyncio.AbstractEventLoop, deadline: float) -> list[str]:
     finally:
         asyncio.set_event_loop(None)
         loop.close()
-    threads = [t for t in threading.enumerate()
-               if t is not threading.main_thread() and not t.daemon and t.is_alive()]
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
+    threads = [th for th in threading.enumerate()
+               if th is not threading.main_thread() and not th.daemon and th.is_alive()]
+    for th in threads:
+        th.join(max(0.0, deadline - time.monotonic()))
     frames = sys._current_frames()  # documented in sys: what each thread runs now
-    left += [f"thread {t.name}, still runs {_frames(frames.get(t.ident or 0))}" for t in threads if t.is_alive()]
+    left += [f"thread {th.name}, still runs {_frames(frames.get(th.ident or 0))}" for th in threads if th.is_alive()]
     return left
 
 

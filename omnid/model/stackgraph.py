@@ -9,11 +9,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
+from typing import TypeVar
 
 from omnid.model.unitfile import Template
 from omnid.model.keys import GROUP_POLICY_KEYS
-from omnid.model.unitmodel import UNIT_NAME, DrainHook, ListenSocket, Liveness, Progress, Ready, ReadyKind, Unit, UnitFileError
+from omnid.model.unitmodel import (UNIT_NAME, Canary, DrainHook, ListenSocket, Liveness, Progress, Ready, ReadyKind, Unit,
+                                   UnitFileError)
 from omnid.model.unitvalues import InvalidValue, Table, http_url, quote, parse_host_port
+
+R = TypeVar("R", Liveness, Canary)  # a probe that sends an HTTP request from a unit file
 
 
 # --------------------------------------------------------------------------- expansion
@@ -60,12 +64,22 @@ def expand_unit(
         # env value wins: the operator may want another mapping.
         env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(map(str, gpus)))
 
+    def url(key: str, raw: str) -> str:
+        """`raw` with %i and %n expanded, checked as an HTTP URL; raw as it was when it is not one
+        (the error, named by `key`, makes the stack invalid)."""
+        try:
+            return http_url(x(raw))
+        except InvalidValue as exc:
+            t.error(key, str(exc))
+            return raw
+
+    def request(probe: R) -> R:
+        """A probe's body and header values, expanded (its URL goes through `url`)."""
+        return replace(probe, body=x(probe.body), headers=tuple((k, x(val)) for k, val in probe.headers))
+
     ready: Ready = v["ready"]
     if ready.kind is ReadyKind.HTTP:
-        try:
-            ready = Ready(ReadyKind.HTTP, url=http_url(x(ready.url)))
-        except InvalidValue as exc:
-            t.error("ready.http", str(exc))
+        ready = Ready(ReadyKind.HTTP, url=url("ready.http", ready.url))
     elif ready.kind is ReadyKind.TCP:
         try:
             host, port = parse_host_port(x(ready.url))
@@ -74,32 +88,18 @@ def expand_unit(
             t.error("ready.tcp", str(exc))
     liveness: Liveness | None = v["liveness"]
     if liveness is not None:
-        liveness = replace(liveness, body=x(liveness.body), exec=tuple(x(a) for a in liveness.exec),
-                           headers=tuple((k, x(val)) for k, val in liveness.headers))
+        liveness = replace(request(liveness), exec=tuple(x(a) for a in liveness.exec))
         if liveness.url:
-            try:
-                liveness = replace(liveness, url=http_url(x(liveness.url)))
-            except InvalidValue as exc:
-                t.error("liveness.http", str(exc))
+            liveness = replace(liveness, url=url("liveness.http", liveness.url))
     progress: Progress | None = v["progress"]
     if progress is not None and progress.metrics:
-        try:
-            progress = replace(progress, metrics=http_url(x(progress.metrics)))
-        except InvalidValue as exc:
-            t.error("progress.metrics", str(exc))
+        progress = replace(progress, metrics=url("progress.metrics", progress.metrics))
     if progress is not None and progress.canary is not None and progress.canary.url:
-        c = progress.canary
-        c = replace(c, body=x(c.body), headers=tuple((k, x(val)) for k, val in c.headers))
-        try:
-            progress = replace(progress, canary=replace(c, url=http_url(x(c.url))))
-        except InvalidValue as exc:
-            t.error("progress.canary.http", str(exc))
+        canary = request(progress.canary)
+        progress = replace(progress, canary=replace(canary, url=url("progress.canary.http", canary.url)))
     drain: DrainHook | None = v["drain"]
     if drain is not None and drain.url:
-        try:
-            drain = DrainHook(url=http_url(x(drain.url)))
-        except InvalidValue as exc:
-            t.error("drain.http", str(exc))
+        drain = DrainHook(url=url("drain.http", drain.url))
     sockets = _expand_sockets(v["sockets"], name, x, t)
     cwd = v["cwd"]
     if cwd is not None:

@@ -172,18 +172,17 @@ def _liveness(file: Path, raw: Any, errors: list[UnitFileError]) -> Liveness | N
             if key in raw:
                 lt.error(key, "applies to the http form only; expected it absent with exec")
         return Liveness(exec=lt.get("exec", ("true",), argv), **common)
-    method = lt.get("method", "GET", _choice_of("GET", "POST"))
-    body = lt.get("body", "", string)
+    return Liveness(**_request(lt, "GET"), expect=lt.get("expect", (), _statuses), **common)
+
+
+def _request(t: Table, method: str) -> dict[str, Any]:
+    """The HTTP request a probe sends (liveness, the progress canary): url, method (`method`
+    when absent), body (POST only), headers. The URL is checked after %i expansion."""
+    method = t.get("method", method, _choice_of("GET", "POST"))
+    body = t.get("body", "", string)
     if body and method != "POST":
-        lt.error("body", 'is sent with method = "POST" only; expected method = "POST" or no body')
-    return Liveness(
-        url=lt.get("http", "", string),  # URL checked after %i expansion
-        method=method,
-        body=body,
-        headers=lt.get("headers", (), _headers),
-        expect=lt.get("expect", (), _statuses),
-        **common,
-    )
+        t.error("body", 'is sent with method = "POST" only; expected method = "POST" or no body')
+    return dict(url=t.get("http", "", string), method=method, body=body, headers=t.get("headers", (), _headers))
 
 
 def _choice_of(*words: str) -> Callable[[Any], str]:
@@ -266,12 +265,7 @@ def _canary(file: Path, raw: Any, errors: list[UnitFileError]) -> Canary | None:
     ct.check_keys(CANARY_KEYS)
     if "http" not in raw:
         ct.error("http", f"missing; expected {expected}")
-    method = ct.get("method", "POST", _choice_of("GET", "POST"))
-    body = ct.get("body", "", string)
-    if body and method != "POST":
-        ct.error("body", 'is sent with method = "POST" only; expected method = "POST" or no body')
-    return Canary(url=ct.get("http", "", string),  # URL checked after %i expansion
-                  method=method, body=body, headers=ct.get("headers", (), _headers))
+    return Canary(**_request(ct, "POST"))
 
 
 _SOCKET_EXPECTED = ('an array of tables { listen = "HOST:PORT" or "/path.sock", name = "http", backlog = 1024, '

@@ -167,24 +167,38 @@ def fuse_available() -> str | None:
 def hung_fuse_mount() -> tuple[str, Callable[[], None]]:
     """A FUSE mount whose server never answers INIT: every lookup under it (a chdir, an execve)
     waits, killable, in fuse_get_req. Returns (mount point, unmount)."""
+    mnt = tempfile.mkdtemp(prefix="omnid-fuse-")
+    try:
+        unmount = hung_fuse_mount_at(mnt)
+    except BaseException:
+        os.rmdir(mnt)
+        raise
+
+    def unmount_and_remove() -> None:
+        unmount()
+        os.rmdir(mnt)
+
+    return mnt, unmount_and_remove
+
+
+def hung_fuse_mount_at(mnt: str) -> Callable[[], None]:
+    """The same mount on an existing directory `mnt` (as a unit's user could make one with
+    fusermount on a directory it owns); returns unmount."""
     why = fuse_available()
     if why:
         raise RuntimeError(f"cannot make a hung mount: {why}")
-    mnt = tempfile.mkdtemp(prefix="omnid-fuse-")
     dev = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
     opts = f"fd={dev},rootmode=40000,user_id=0,group_id=0".encode()
     if _libc.mount(b"omnid-test", mnt.encode(), b"fuse", ctypes.c_ulong(MS_NOSUID | MS_NODEV), opts) != 0:
         err = ctypes.get_errno()
         os.close(dev)
-        os.rmdir(mnt)
         raise RuntimeError(f"cannot mount FUSE on {mnt}: {os.strerror(err)}")
 
     def unmount() -> None:
         os.close(dev)  # the last fd of the connection: aborts it, every waiter gets ENOTCONN
         _libc.umount2(mnt.encode(), MNT_DETACH)
-        os.rmdir(mnt)
 
-    return mnt, unmount
+    return unmount
 
 
 def in_d_state() -> Hung:

@@ -479,3 +479,44 @@ def test_private_tmp_removal_refuses_a_replaced_directory_and_stops_at_its_bound
         import shutil
 
         shutil.rmtree(d.path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("where", ["on-tmpdir", "inside"])
+def test_a_mount_that_never_answers_in_a_private_tmp_is_left_alone_and_holds_nothing(daemon_factory, where):
+    """A unit's user may mount FUSE (fusermount) on its private directory or under it, with a
+    server outside the unit that never answers. Before, the removal looked at the mount: the
+    check made on the event loop (empty?) blocked the whole daemon on it, and the walk kept a
+    worker thread for good. Now nothing is asked of a mount: the directory is left, named in
+    the log, and the daemon answers at once (a real hung FUSE mount, made here as root)."""
+    from tests.hung import fuse_available, hung_fuse_mount_at
+
+    why = fuse_available()
+    if why:
+        pytest.skip(f"needs a FUSE mount: {why}")
+    prog = script(SHOW_ENV, "show.py")
+    d = daemon_factory(make_stack({"t": f'exec = ["{SYS_PY}", "{prog}"]\nuser = "nobody"\nstop_timeout = 5\n'}))
+    path = env_of(d.wait_state("t", "active")["pid"])["TMPDIR"]
+    mnt = path if where == "on-tmpdir" else os.path.join(path, "mnt")
+    if where == "inside":
+        os.mkdir(mnt)
+    unmount = hung_fuse_mount_at(mnt)
+    try:
+        rec = d.ok("stop", {"units": ["t"]}, timeout=20)["summary"][0]
+        assert rec["unit"] == "t"
+        t0 = time.monotonic()
+        assert d.call("status", timeout=5)["ok"], "the daemon must answer at once"
+        assert d.unit("t")["state"] == "inactive"
+        answered_ms = (time.monotonic() - t0) * 1000
+        warned = wait_for(lambda: [e for e in d.log_events() if e.get("event") == "private tmp directory not fully removed"],
+                          10, "the removal's warning")
+        assert "a file system is mounted on it; left alone" in warned[0]["why"], warned
+        with open("/proc/self/mounts") as f:  # still there (a stat of it would wait on the mount)
+            assert any(line.split()[1] == mnt for line in f), f"{mnt} is no longer mounted"
+        d.ok("start", {"units": ["t"]})  # a new directory, without waiting on the old one
+        assert env_of(d.wait_state("t", "active", timeout=10)["pid"])["TMPDIR"] != path
+        print(f"\n[{where}] status answered in {answered_ms:.0f} ms; {warned[0]['why']}")
+    finally:
+        unmount()  # first: nothing below may touch the mount while it hangs
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)

@@ -15,6 +15,7 @@ recorded; anything else under /tmp is never touched.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
+
+from omnid.base import linux
 
 log = structlog.get_logger("omnid.process.privatetmp")
 
@@ -120,11 +123,12 @@ def remove(d: TmpDir, deadline_s: float = 10.0, max_entries: int = 1_000_000) ->
         return f"{d.path}: cannot open {parent}: {exc.strerror}"
     try:
         try:
-            st = os.lstat(name, dir_fd=pfd)
+            st = _stat_same_mount(pfd, name)
         except FileNotFoundError:
             return None
-        if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != (d.dev, d.ino) or \
-                (d.uid >= 0 and st.st_uid != d.uid):
+        except OSError as exc:
+            return f"{d.path}: {_why_not(exc)}; left alone"
+        if not _is(st, d):
             return f"{d.path}: not the directory omnid made (replaced); left alone"
         left = _remove_tree(pfd, name, time.monotonic() + deadline_s, [max_entries], (d.dev, d.ino))
         return None if left is None else f"{d.path}: {left}"
@@ -134,28 +138,56 @@ def remove(d: TmpDir, deadline_s: float = 10.0, max_entries: int = 1_000_000) ->
 
 def remove_if_empty(d: TmpDir) -> bool:
     """The common case, cheap enough for the event loop: an empty directory, still the one
-    omnid made, removed with one rmdir. False: it is not empty (or not ours): the full
-    removal's business."""
+    omnid made, removed with one rmdir. False: it is not empty, or not ours, or a file system
+    is mounted on it (never asked anything: its server may never answer): the full removal's
+    business, which says why."""
+    parent, name = os.path.split(d.path)
     try:
-        st = os.lstat(d.path)
-        if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != (d.dev, d.ino) or \
-                (d.uid >= 0 and st.st_uid != d.uid):
+        pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if not _is(_stat_same_mount(pfd, name), d):
             return False
-        os.rmdir(d.path)
+        os.rmdir(name, dir_fd=pfd)
         return True
     except FileNotFoundError:
         return True
     except OSError:
         return False
+    finally:
+        os.close(pfd)
+
+
+def _stat_same_mount(pfd: int, name: str) -> os.stat_result:
+    """The directory `name` under pfd, stat'ed without crossing into a mount on it (OSError EXDEV)."""
+    fd = linux.open_same_mount(name, os.O_PATH | os.O_DIRECTORY, pfd)
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+def _is(st: os.stat_result, d: TmpDir) -> bool:
+    """Is this the directory omnid made (a directory, its device and inode, its owner)?"""
+    return stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == (d.dev, d.ino) and (d.uid < 0 or st.st_uid == d.uid)
+
+
+def _why_not(exc: OSError) -> str:
+    if exc.errno == errno.EXDEV:
+        return "a file system is mounted on it"
+    if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+        return "not the directory omnid made (replaced)"
+    return f"cannot open: {exc.strerror}"
 
 
 def _remove_tree(pfd: int, name: str, deadline: float, budget: list[int], ident: tuple[int, int]) -> str | None:
     """rmtree's fd-based walk, iterative: every directory opened O_NOFOLLOW relative to its
     parent's fd, links unlinked, never followed. Stops at the deadline or entry budget."""
     try:
-        top = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+        top = linux.open_same_mount(name, os.O_RDONLY | os.O_DIRECTORY, pfd)
     except OSError as exc:
-        return f"cannot open: {exc.strerror}"
+        return f"{_why_not(exc)}; left alone"
     st = os.fstat(top)
     if (st.st_dev, st.st_ino) != ident:  # swapped between the lstat and the open: not ours
         os.close(top)
@@ -174,8 +206,7 @@ def _remove_tree(pfd: int, name: str, deadline: float, budget: list[int], ident:
                         return "not fully removed: its removal reached its bound (time or entries)"
                     try:
                         if entry.is_dir(follow_symlinks=False):
-                            sub = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                          dir_fd=dfd)
+                            sub = linux.open_same_mount(entry.name, os.O_RDONLY | os.O_DIRECTORY, dfd)
                             stack.append((dfd, entry.name, sub))
                             descended = True
                             break
@@ -183,7 +214,7 @@ def _remove_tree(pfd: int, name: str, deadline: float, budget: list[int], ident:
                     except FileNotFoundError:
                         continue
                     except OSError as exc:
-                        return f"cannot remove {entry.name}: {exc.strerror}"
+                        return f"cannot remove {entry.name}: {exc.strerror}; left alone"
             if descended:
                 continue
             stack.pop()

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from omnid.base import linux
+
 log = structlog.get_logger("omnid.process.ipc")
 
 SHM_DIR = "/dev/shm"
@@ -128,9 +130,9 @@ class IpcBook:
             self.unattributed += 1
             return
         try:
-            st = os.lstat(os.path.join(SHM_DIR, name))
+            st = _lstat_in_shm(name)
         except OSError:
-            return  # already gone: nothing to remove later
+            return  # already gone (or not a file of /dev/shm's own: nothing to remove later)
         with self._lock:
             u = self.units.get(tag)
             if u is None:
@@ -393,12 +395,52 @@ def _still_same(o: SysvObject) -> bool:
     return False
 
 
+
+def _lstat_same_mount(dfd: int, name: str) -> os.stat_result:
+    """lstat of `name` in the directory dfd, never of a file system mounted on it (OSError
+    EXDEV): a user may mount FUSE on a directory it made in /dev/shm, with a server that never
+    answers, and an lstat of the mount point would wait on it."""
+    fd = linux.open_same_mount(name, os.O_PATH, dfd)
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+def _lstat_in_shm(name: str) -> os.stat_result:
+    dfd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return _lstat_same_mount(dfd, name)
+    finally:
+        os.close(dfd)
+
+
+def _fd_mount_id(pid: str, fd: str | None) -> int | None:
+    """The mount id of a process's open fd (/proc/PID/fdinfo, Linux 3.15), read without touching
+    the file; with fd None, that of /dev/shm itself, from an fd of this process."""
+    own = None
+    try:
+        if fd is None:
+            own = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fd = str(own)
+        with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"mnt_id:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    finally:
+        if own is not None:
+            os.close(own)
+    return None
+
 def _held(inodes: dict[int, str], dev: int, deadline: float) -> set[int] | None:
     """Which of the /dev/shm inodes a live process maps or holds open; None when the scan
     could not finish by the deadline (nothing may be removed then)."""
     held: set[int] = set()
     want = set(inodes)
     prefix = SHM_DIR + "/"
+    shm_mnt = _fd_mount_id("self", None)
     try:
         pids = [p for p in os.listdir("/proc") if p.isdigit()]
     except OSError:
@@ -425,6 +467,10 @@ def _held(inodes: dict[int, str], dev: int, deadline: float) -> set[int] | None:
             except OSError:
                 continue
             if target.startswith(prefix):
+                # Only a file of /dev/shm's own mount is stat'ed: a path under /dev/shm may be a
+                # user's FUSE mount, and a stat through the fd would wait on its server.
+                if shm_mnt is None or _fd_mount_id(p, fd) != shm_mnt:
+                    continue
                 try:
                     st = os.stat(f"/proc/{p}/fd/{fd}")
                 except OSError:
@@ -462,9 +508,9 @@ def remove_posix(u: UnitIpc, budget_s: float = 2.0) -> tuple[list[str], list[str
             dev = os.fstat(dfd).st_dev
             for name, ino in u.shm.items():
                 try:
-                    st = os.lstat(name, dir_fd=dfd)
+                    st = _lstat_same_mount(dfd, name)
                 except OSError:
-                    continue  # unlinked by its program: nothing to do
+                    continue  # unlinked by its program, or something mounted there: nothing to do
                 if st.st_ino == ino and st.st_uid == u.uid and stat.S_ISREG(st.st_mode):
                     cands[ino] = name
                     sizes[ino] = st.st_size
@@ -481,7 +527,7 @@ def remove_posix(u: UnitIpc, budget_s: float = 2.0) -> tuple[list[str], list[str
                         kept.append(f"{SHM_DIR}/{name} (held by a live process)")
             for ino, name in cands.items():
                 try:
-                    st = os.lstat(name, dir_fd=dfd)
+                    st = _lstat_same_mount(dfd, name)
                     if st.st_ino != ino:
                         continue
                     os.unlink(name, dir_fd=dfd)

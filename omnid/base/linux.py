@@ -88,15 +88,16 @@ def open_same_mount(name: str, flags: int, dir_fd: int) -> int:
     """Open `name` relative to `dir_fd` without leaving dir_fd's mount and without following a
     symbolic link: a file system mounted on `name` (a FUSE mount a unit's user made on a
     directory it owns) gives OSError EXDEV before anything is asked of it, so a mount whose
-    server never answers cannot hold the caller. Close-on-exec. On a kernel without openat2
-    (before 5.6), a plain openat with O_NOFOLLOW (which cannot tell a mount point)."""
+    server never answers cannot hold the caller. Close-on-exec. Without openat2 (a kernel
+    before 5.6: ENOSYS; an older container seccomp profile: EPERM, which path resolution itself
+    never gives), a plain openat with O_NOFOLLOW (which cannot tell a mount point)."""
     how = _OpenHow(flags | os.O_CLOEXEC | os.O_NOFOLLOW, 0, RESOLVE_NO_XDEV | RESOLVE_NO_SYMLINKS)
     fd = _libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd), os.fsencode(name), ctypes.byref(how),
                        ctypes.c_size_t(ctypes.sizeof(how)))
     if fd >= 0:
         return int(fd)
     err = ctypes.get_errno()
-    if err == errno.ENOSYS:
+    if err in (errno.ENOSYS, errno.EPERM):
         return os.open(name, flags | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dir_fd)
     if err == errno.EXDEV:
         raise OSError(err, "a file system is mounted on it", name)

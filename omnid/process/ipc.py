@@ -395,7 +395,6 @@ def _still_same(o: SysvObject) -> bool:
     return False
 
 
-
 def _lstat_same_mount(dfd: int, name: str) -> os.stat_result:
     """lstat of `name` in the directory dfd, never of a file system mounted on it (OSError
     EXDEV): a user may mount FUSE on a directory it made in /dev/shm, with a server that never
@@ -433,6 +432,7 @@ def _fd_mount_id(pid: str, fd: str | None) -> int | None:
         if own is not None:
             os.close(own)
     return None
+
 
 def _held(inodes: dict[int, str], dev: int, deadline: float) -> set[int] | None:
     """Which of the /dev/shm inodes a live process maps or holds open; None when the scan

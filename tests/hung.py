@@ -207,20 +207,7 @@ def in_d_state() -> Hung:
     why = fuse_available()
     if why:
         raise RuntimeError(f"cannot make a D-state process: {why}")
-    mnt = tempfile.mkdtemp(prefix="omnid-fuse-")
-    dev = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
-    opts = f"fd={dev},rootmode=40000,user_id=0,group_id=0".encode()
-    if _libc.mount(b"omnid-test", mnt.encode(), b"fuse", ctypes.c_ulong(MS_NOSUID | MS_NODEV), opts) != 0:
-        err = ctypes.get_errno()
-        os.close(dev)
-        os.rmdir(mnt)
-        raise RuntimeError(f"cannot mount FUSE on {mnt}: {os.strerror(err)}")
-
-    def unmount() -> None:
-        os.close(dev)  # the last fd of the connection: aborts it, every waiter gets ENOTCONN
-        _libc.umount2(mnt.encode(), MNT_DETACH)
-        os.rmdir(mnt)
-
+    mnt, unmount = hung_fuse_mount()
     code = f"import os\ndef load_weights():\n    os.stat({mnt + '/model.bin'!r})\nload_weights()\n"
     try:
         p = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)

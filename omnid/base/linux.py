@@ -104,6 +104,17 @@ def open_same_mount(name: str, flags: int, dir_fd: int) -> int:
     raise OSError(err, os.strerror(err), name)
 
 
+def stat_same_mount(name: str, dir_fd: int, flags: int = 0) -> os.stat_result:
+    """lstat of `name` relative to `dir_fd`, never of a file system mounted on it (OSError
+    EXDEV, open_same_mount): an lstat of a mount point asks the mounted file system, whose
+    server may never answer. `flags` adds to O_PATH (O_DIRECTORY: only a directory)."""
+    fd = open_same_mount(name, os.O_PATH | flags, dir_fd)
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
 def recv_fds(sock: socket.socket, bufsize: int, maxfds: int) -> tuple[bytes, list[int]]:
     """One datagram and the fds that came with it, received close-on-exec (socket.recv_fds
     leaves them inheritable: a fork before they are handed on would leak them to a unit)."""

@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from omnid.base.tasks import suspended_at
+from omnid.base.tasks import frame_line, suspended_at
 
 log = structlog.get_logger("omnid.base.runloop")
 
@@ -87,6 +87,6 @@ def _frames(frame: FrameType | None, keep: int = 4) -> str:
     """A thread's innermost `keep` calls, outermost first."""
     out: list[str] = []
     while frame is not None and len(out) < keep:
-        out.append(f"{frame.f_code.co_name} ({'/'.join(frame.f_code.co_filename.rsplit('/', 2)[-2:])}:{frame.f_lineno})")
+        out.append(frame_line(frame))
         frame = frame.f_back
     return " > ".join(reversed(out)) or "?"

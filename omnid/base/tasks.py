@@ -100,6 +100,11 @@ class DaemonTask:
             self.task.cancel()
 
 
+def frame_line(frame: types.FrameType) -> str:
+    """One frame for a log line: "function (dir/file.py:line)"."""
+    return f"{frame.f_code.co_name} ({'/'.join(frame.f_code.co_filename.rsplit('/', 2)[-2:])}:{frame.f_lineno})"
+
+
 def suspended_at(task: asyncio.Task, limit: int = 16) -> list[str]:
     """Where a pending task waits: its chain of awaits, outermost first, each as
     "function (dir/file.py:line)". Task.get_stack gives only the outermost frame of a suspended
@@ -114,8 +119,7 @@ def suspended_at(task: asyncio.Task, limit: int = 16) -> list[str]:
         frame = getattr(obj, "cr_frame", None) or getattr(obj, "ag_frame", None) or getattr(obj, "gi_frame", None)
         if frame is None:
             break
-        path = "/".join(frame.f_code.co_filename.rsplit("/", 2)[-2:])
-        out.append(f"{frame.f_code.co_name} ({path}:{frame.f_lineno})")
+        out.append(frame_line(frame))
         obj = getattr(obj, "cr_await", None) or getattr(obj, "ag_await", None) or getattr(obj, "gi_yieldfrom", None)
     return out
 

@@ -395,21 +395,12 @@ def _still_same(o: SysvObject) -> bool:
     return False
 
 
-def _lstat_same_mount(dfd: int, name: str) -> os.stat_result:
-    """lstat of `name` in the directory dfd, never of a file system mounted on it (OSError
-    EXDEV): a user may mount FUSE on a directory it made in /dev/shm, with a server that never
-    answers, and an lstat of the mount point would wait on it."""
-    fd = linux.open_same_mount(name, os.O_PATH, dfd)
-    try:
-        return os.fstat(fd)
-    finally:
-        os.close(fd)
-
-
 def _lstat_in_shm(name: str) -> os.stat_result:
+    """lstat of /dev/shm/NAME, never of a mount on it: a user may mount FUSE on a directory it
+    made in /dev/shm, with a server that never answers (linux.stat_same_mount)."""
     dfd = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        return _lstat_same_mount(dfd, name)
+        return linux.stat_same_mount(name, dfd)
     finally:
         os.close(dfd)
 
@@ -508,7 +499,7 @@ def remove_posix(u: UnitIpc, budget_s: float = 2.0) -> tuple[list[str], list[str
             dev = os.fstat(dfd).st_dev
             for name, ino in u.shm.items():
                 try:
-                    st = _lstat_same_mount(dfd, name)
+                    st = linux.stat_same_mount(name, dfd)
                 except OSError:
                     continue  # unlinked by its program, or something mounted there: nothing to do
                 if st.st_ino == ino and st.st_uid == u.uid and stat.S_ISREG(st.st_mode):
@@ -527,7 +518,7 @@ def remove_posix(u: UnitIpc, budget_s: float = 2.0) -> tuple[list[str], list[str
                         kept.append(f"{SHM_DIR}/{name} (held by a live process)")
             for ino, name in cands.items():
                 try:
-                    st = _lstat_same_mount(dfd, name)
+                    st = linux.stat_same_mount(name, dfd)
                     if st.st_ino != ino:
                         continue
                     os.unlink(name, dir_fd=dfd)

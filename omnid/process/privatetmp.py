@@ -123,7 +123,7 @@ def remove(d: TmpDir, deadline_s: float = 10.0, max_entries: int = 1_000_000) ->
         return f"{d.path}: cannot open {parent}: {exc.strerror}"
     try:
         try:
-            st = _stat_same_mount(pfd, name)
+            st = linux.stat_same_mount(name, pfd, os.O_DIRECTORY)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -147,7 +147,7 @@ def remove_if_empty(d: TmpDir) -> bool:
     except OSError:
         return False
     try:
-        if not _is(_stat_same_mount(pfd, name), d):
+        if not _is(linux.stat_same_mount(name, pfd, os.O_DIRECTORY), d):
             return False
         os.rmdir(name, dir_fd=pfd)
         return True
@@ -157,15 +157,6 @@ def remove_if_empty(d: TmpDir) -> bool:
         return False
     finally:
         os.close(pfd)
-
-
-def _stat_same_mount(pfd: int, name: str) -> os.stat_result:
-    """The directory `name` under pfd, stat'ed without crossing into a mount on it (OSError EXDEV)."""
-    fd = linux.open_same_mount(name, os.O_PATH | os.O_DIRECTORY, pfd)
-    try:
-        return os.fstat(fd)
-    finally:
-        os.close(fd)
 
 
 def _is(st: os.stat_result, d: TmpDir) -> bool:

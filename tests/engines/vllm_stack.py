@@ -73,9 +73,10 @@ def unit_toml(python: Path | str, model: Path | str, port: int, *, stall_sec: in
             "--enforce-eager",
             # On SIGTERM, finish the requests in flight for up to this long (vLLM's default, 0,
             # aborts them with a 500 at once): kill_mode = "mixed" then lets the drain happen.
-            # 10 s is ample for this model's requests (a few hundred ms each on CPU), and is
-            # what a hung Worker costs after detection (vLLM waits it out on the SIGTERM).
-            "--shutdown-timeout", "10"]
+            # 4 s is ample for this model's requests (a few hundred ms each on CPU). vLLM 0.32
+            # was seen to wait out the whole bound after a SIGTERM or SIGINT of its API server
+            # under load, so each such row pays it (10 s before: ~20 s of CI a run).
+            "--shutdown-timeout", "4"]
     lines = [
         'description = "vLLM CPU build, tiny local model (tests/engines)"',
         'role = "serve"',
@@ -91,7 +92,7 @@ def unit_toml(python: Path | str, model: Path | str, port: int, *, stall_sec: in
         "restart_max_sec = 2",
         "start_limit_burst = 30",
         "start_limit_interval = 3600",
-        # Above the drain (--shutdown-timeout 10).
+        # Above the drain (--shutdown-timeout 4).
         "stop_timeout = 30",
         # A hung tree (failed by `progress` or `liveness`) never finishes that drain: vLLM's
         # shutdown waits on the stopped Worker (seen: 60 s with stop_timeout = 60), down all

@@ -207,7 +207,7 @@ def test_reexec_while_a_unit_crash_loops_leaves_no_duplicate_and_verify_clean(da
 
 
 @pytest.mark.timeout(600)
-def test_forty_reexecs_in_a_row_grow_no_fd_thread_or_memory(daemon_factory):
+def test_twenty_reexecs_in_a_row_grow_no_fd_thread_or_memory(daemon_factory):
     d = daemon_factory(make_stack({"a": SLEEP + "instances = 4\n"}))
     d.wait_all_active()
     units = ids(d)
@@ -221,7 +221,9 @@ def test_forty_reexecs_in_a_row_grow_no_fd_thread_or_memory(daemon_factory):
     base = (fds_of(pid), threads_of(pid), rss_kib(pid))
     base_fds = fd_targets(pid)
     t0 = time.monotonic()
-    n = 40  # one fd or thread kept per re-exec would show 40 times over; CI pays ~1.2 s each
+    # One fd or thread kept per re-exec shows 20 times over, and the fd and thread counts must
+    # not grow at all; each re-exec costs CI ~1.3 s (40 of them were 54 s of a 35-minute budget).
+    n = 20
     for _ in range(n):
         d.reexec()
     took = time.monotonic() - t0

@@ -5,7 +5,12 @@ removal finished first, so a restart never meets its predecessor's objects), `sp
 `gone` (a stop: awaited before GONE, so the stop summary names what was removed) and
 `released` (the unit is inactive or failed: whatever `gone` did not do yet runs now, as a
 task, so a death's path to `failed` does not wait for it). The blocking work (a /proc
-scan, a tree removal) runs in a thread, bounded.
+scan, a tree removal) runs on a thread of its own (omnid.base.ownthreads), and the wait for
+it is bounded (REMOVAL_BOUND_S) even where the kernel never answers it: the scan reads every
+process's /proc/PID/maps, which can wait as long as that process's memory lock is held, and
+a unit's death must never wait on a stranger's process for good. What a removal that did not return
+in time would have removed is left, and the log says where it waits; while MAX_STUCK have not
+returned, the next removals are not tried at all (each would wait on the same process).
 
 A /dev/shm entry that a live process still holds at the removal is looked at again, on a
 backoff, for HELD_RETRY_S: the holder is often the unit's own last process, one the kernel
@@ -27,6 +32,7 @@ import structlog
 
 from omnid.process import ipc
 from omnid.process import privatetmp
+from omnid.base.ownthreads import Busy, OwnThreads
 from omnid.base.tasks import unit_task
 
 log = structlog.get_logger("omnid.cleanup")
@@ -34,6 +40,8 @@ log = structlog.get_logger("omnid.cleanup")
 SETTLE_WAIT_S = 5.0  # a spawn waits at most this long for its predecessor's removal
 IPC_BUDGET_S = 5.0  # the /proc scan that proves nobody holds an object (~1 s for 2,000 processes here)
 TMP_BUDGET_S = 10.0
+REMOVAL_BOUND_S = TMP_BUDGET_S + IPC_BUDGET_S + 5.0  # both budgets are checked between steps, not inside one
+MAX_STUCK = 2  # removals or looks not returned before the next are not tried
 HELD_RETRY_S = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8)  # ~25 s of looks at held /dev/shm entries
 
 
@@ -70,6 +78,7 @@ class UnitCleanup:
         self._held_fresh: set[str] = set()  # units with entries newer than their task's backoff
         self._held_taken: list[ipc.UnitIpc] = []  # handed over by the program before a re-exec
         self._last_look = asyncio.Event()  # the daemon stops: every held entry gets its last look now
+        self.threads = OwnThreads(MAX_STUCK, kind="removal")
 
     # ------------------------------------------------------------ daemon life
     def start(self) -> None:
@@ -189,8 +198,14 @@ class UnitCleanup:
             removed, kept = ipc.remove_sysv(u) if u is not None and spec.remove_ipc else ([], [])
             tmp_left, held = None, None
         else:
-            removed, kept, tmp_left, held = await asyncio.to_thread(self._clean_blocking, name, d,
-                                                                    bool(spec.remove_ipc))
+            try:
+                removed, kept, tmp_left, held = await self.threads.run(
+                    f"{name}'s leftovers", lambda: self._clean_blocking(name, d, bool(spec.remove_ipc)),
+                    REMOVAL_BOUND_S)
+            except (TimeoutError, Busy) as exc:
+                why = str(exc) or f"not returned in {REMOVAL_BOUND_S:g} s (a /proc or mount read the kernel does not answer?)"
+                log.warning("leftovers not removed", unit=name, why=why, private_tmp=d.path if d is not None else None)
+                removed, kept, tmp_left, held = [], [], "its removal did not return", None
         if d is not None and self.record is not None and tmp_left is None:
             self.record.drop(d)
         if tmp_left is not None:
@@ -232,7 +247,13 @@ class UnitCleanup:
                     pass
             kept = []
             for u in list(self._held.get(name, ())):
-                removed, still, held = await asyncio.to_thread(ipc.remove_posix, u, IPC_BUDGET_S)
+                try:
+                    removed, still, held = await self.threads.run(f"{name}'s held /dev/shm entries",
+                                                                  lambda u=u: ipc.remove_posix(u, IPC_BUDGET_S),
+                                                                  IPC_BUDGET_S + 5.0)
+                except (TimeoutError, Busy) as exc:  # still held, as far as anyone knows
+                    removed, still, held = [], [f"/dev/shm/{n} (not looked at: {str(exc) or 'the look did not return'})"
+                                                for n in u.shm], u.shm
                 if removed:
                     log.info("IPC residue", unit=name, removed=removed, kept=still,
                              after_s=round(time.monotonic() - t0, 2))

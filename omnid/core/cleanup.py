@@ -8,8 +8,8 @@ task, so a death's path to `failed` does not wait for it). The blocking work (a 
 scan, a tree removal) runs on a thread of its own (omnid.base.ownthreads), and the wait for
 it is bounded (REMOVAL_BOUND_S) even where the kernel never answers it: the scan reads every
 process's /proc/PID/maps, which can wait as long as that process's memory lock is held, and
-a unit's death must never wait on a stranger's process for good. What a removal that did not return
-in time would have removed is left, and the log says where it waits; while MAX_STUCK have not
+a unit's death must never wait on a stranger's process for good. What a removal that did not
+return in time would have removed is left, and the log says so; while MAX_STUCK have not
 returned, the next removals are not tried at all (each would wait on the same process).
 
 A /dev/shm entry that a live process still holds at the removal is looked at again, on a
@@ -203,8 +203,10 @@ class UnitCleanup:
                     f"{name}'s leftovers", lambda: self._clean_blocking(name, d, bool(spec.remove_ipc)),
                     REMOVAL_BOUND_S)
             except (TimeoutError, Busy) as exc:
-                why = str(exc) or f"not returned in {REMOVAL_BOUND_S:g} s (a /proc or mount read the kernel does not answer?)"
-                log.warning("leftovers not removed", unit=name, why=why, private_tmp=d.path if d is not None else None)
+                why = str(exc) or (f"not returned in {REMOVAL_BOUND_S:g} s "
+                                   "(a /proc or mount read the kernel does not answer?)")
+                log.warning("leftovers not removed", unit=name, why=why,
+                            private_tmp=d.path if d is not None else None)
                 removed, kept, tmp_left, held = [], [], "its removal did not return", None
         if d is not None and self.record is not None and tmp_left is None:
             self.record.drop(d)
@@ -252,8 +254,8 @@ class UnitCleanup:
                                                                   lambda u=u: ipc.remove_posix(u, IPC_BUDGET_S),
                                                                   IPC_BUDGET_S + 5.0)
                 except (TimeoutError, Busy) as exc:  # still held, as far as anyone knows
-                    removed, still, held = [], [f"/dev/shm/{n} (not looked at: {str(exc) or 'the look did not return'})"
-                                                for n in u.shm], u.shm
+                    why = str(exc) or "the look did not return"
+                    removed, still, held = [], [f"/dev/shm/{n} (not looked at: {why})" for n in u.shm], u.shm
                 if removed:
                     log.info("IPC residue", unit=name, removed=removed, kept=still,
                              after_s=round(time.monotonic() - t0, 2))

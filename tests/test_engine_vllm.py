@@ -145,7 +145,7 @@ class Stacks:
         asked = time.monotonic()
         stack.wait_serving()
         now = time.monotonic()
-        when = (f"first start serving after {now - stack.began:.1f} s" if asked - stack.began < 1 else
+        when = (f"first start serving after {now - stack.began:.1f} s" if asked - stack.began < 5 else
                 f"begun {asked - stack.began:.0f} s before its rows, serving {now - asked:.1f} s after they asked")
         TIMINGS.append(f"{backend}: {when}" + (f" (begun beside the {', '.join(beside)} stack)" if beside else ""))
         return stack

@@ -112,7 +112,6 @@ def _begin(engine, module_test_id: str, backend: str) -> Stack:
     d = Daemon(units, env=env)
     DAEMONS.append(d)
     stack = Stack(d, port, backend, backend)
-    stack.began = time.monotonic()
     try:
         d.start()
         d.ok("status")  # opens the control socket now, before any test's fd baseline

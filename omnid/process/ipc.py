@@ -1,20 +1,24 @@
 """IPC residue (unit key `remove_ipc`, omnid.unit(5)): the POSIX shared memory segments
 and semaphores (/dev/shm) and the System V shared memory, semaphores and message queues
-a unit's processes created or used, removed once nothing of the unit runs and no live
-process holds them.
+that are proven a unit instance's, removed once nothing of the unit runs and no live process
+holds them. This module reads the kernel's facts and removes; whether an object is the
+unit's is decided by omnid.process.proof alone (its table: object kind -> proof -> never
+touched). "A process of the unit used it" is never proof.
 
-Attribution is proven, never guessed from a name:
+Facts gathered here:
 - POSIX (/dev/shm): a fanotify listener (root; FAN_REPORT_DFID_NAME, FAN_CREATE and
   FAN_MOVED_TO on the /dev/shm directory) reports the pid of every process that creates
   an entry. A thread of its own reads the events (never the event loop) and, at event
-  time, reads that pid's environment: the entry is the unit's when the creator carries
-  this daemon's token (OMNID_DAEMON) and the unit's name (OMNID_UNIT) -- every process
-  the unit starts inherits both. It records (name, inode) for the unit, and the pid.
-- System V: the kernel records pids. A shared memory segment's creator (cpid) or last
-  user (lpid), a message queue's last sender or receiver, a semaphore's last operator
-  (semctl GETPID) must be one of the unit's pids (its main process, the creators seen
-  above), the object's owner and creator the unit's user, and the object made or used
-  after the instance started (so a recycled pid proves nothing).
+  time, reads facts of the creator that take no lock of its own (/proc/PID/stat: its
+  ancestors, session, process group; /proc/PID/cgroup). Only a descendant of this daemon
+  that none of these ties to a unit has its environment read (this daemon's token
+  OMNID_DAEMON and OMNID_UNIT), on a thread of its own with a bound (EnvironReads): such a
+  read takes the process's memory lock, which its owner can hold for good. A stranger's
+  environment is never read. The book records (name, inode) for the unit, and the pid.
+- System V: the /proc/sysvipc rows (a segment's creator pid, owners, times) and, for queues
+  and semaphore sets (no creator pid in the kernel), whether the unit's user is a user of
+  its own: login.defs, a logind session, a count of that uid's live processes
+  (/proc/PID/status, which takes no memory lock).
 At removal, off the event loop and bounded: a POSIX entry must still be the same inode,
 owned by the unit's user, and neither mapped nor open by any live process (a scan of
 /proc/*/maps and /proc/*/fd; an unfinished scan removes nothing); a System V segment must
@@ -30,15 +34,16 @@ import ctypes
 import ctypes.util
 import os
 import select
-import stat
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
 
 from omnid.base import linux
+from omnid.process import proof
 
 log = structlog.get_logger("omnid.process.ipc")
 
@@ -46,7 +51,11 @@ SHM_DIR = "/dev/shm"
 SYSVIPC = "/proc/sysvipc"
 MAX_OBJECTS = 4096  # per unit: what a unit creating millions of entries can cost
 MAX_PIDS = 4096
-CLOCK_SLACK_S = 2.0  # wall clock (ctime) against the spawn time
+ENVIRON_MAX_OUT = 4  # environment reads not returned (a process holding its memory lock) before refusals
+ENVIRON_WAIT_S = 0.25  # the listener's wait for one; a later answer still attributes
+STOP_WAIT_S = 2.0  # ShmWatch.stop(): the listener's end and its queue's lock, at most
+DRAIN_LOCK_S = 5.0  # a removal's wait for the listener to finish the batch it is attributing
+UID_SCAN_S = 1.0  # counting a uid's live processes (queues and semaphore sets of a user of its own)
 
 # fanotify (linux/fanotify.h)
 FAN_CLOEXEC, FAN_NONBLOCK, FAN_CLASS_NOTIF = 0x1, 0x2, 0x0
@@ -55,7 +64,7 @@ FAN_CREATE, FAN_MOVED_TO, FAN_Q_OVERFLOW = 0x100, 0x80, 0x4000
 FAN_MARK_ADD = 0x1
 FAN_EVENT_INFO_TYPE_DFID_NAME = 2
 _META = struct.Struct("=IBBHQii")  # event_len, vers, reserved, metadata_len, mask, fd, pid
-IPC_RMID, GETPID = 0, 11
+IPC_RMID = 0
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
@@ -76,6 +85,9 @@ class UnitIpc:
     shm: dict[str, int] = field(default_factory=dict)
     dropped: int = 0  # entries not recorded (the bound)
 
+    def instance(self) -> proof.Instance:
+        return proof.Instance(self.unit, self.uid, self.since, frozenset(self.pids))
+
     def to_json(self) -> dict:
         return {"unit": self.unit, "uid": self.uid, "since": self.since, "pids": sorted(self.pids),
                 "shm": dict(self.shm), "dropped": self.dropped}
@@ -88,13 +100,18 @@ class UnitIpc:
 
 
 class IpcBook:
-    """Attribution while units live. Written by the fanotify thread and the loop: a lock."""
+    """Attribution while units live. Written by the fanotify thread and the loop: a lock, held
+    only for dictionary work (never across a read of /proc)."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, root_pid: int | None = None) -> None:
         self.token = token
+        self.root_pid = os.getpid() if root_pid is None else root_pid  # the units' ancestor: this daemon
         self._lock = threading.Lock()
         self.units: dict[str, UnitIpc] = {}
         self._pid_unit: dict[int, str] = {}  # the pids recorded for live instances
+        self._cgroup: dict[str, str] = {}  # unit -> its main process's cgroup, when not the daemon's own
+        self._own_cgroup = _cgroup_of(os.getpid())
+        self.environ = EnvironReads()
         self.unattributed = 0  # creators that were gone, or not ours, when their event was read
 
     def begin(self, unit: str, uid: int) -> None:
@@ -106,29 +123,42 @@ class IpcBook:
             self.units[unit] = UnitIpc(unit, uid, time.time())
 
     def add_pid(self, unit: str, pid: int) -> None:
+        """The instance's main process (spawned: it joined its cgroup before exec)."""
+        cg = _cgroup_of(pid)  # a small read that takes no lock of the process's
         with self._lock:
             u = self.units.get(unit)
             if u is not None and len(u.pids) < MAX_PIDS:
                 u.pids.add(pid)
                 self._pid_unit[pid] = unit
+                if cg is not None and cg != self._own_cgroup and cg != "/":
+                    self._cgroup[unit] = cg
 
     def _forget(self, u: UnitIpc) -> None:
         for p in u.pids:
             if self._pid_unit.get(p) == u.unit:
                 del self._pid_unit[p]
+        self._cgroup.pop(u.unit, None)
 
     def created(self, pid: int, name: str) -> None:
-        """An entry appeared in /dev/shm, made by pid (the fanotify thread). A pid recorded
-        for a live instance (its main process) is the unit's even when it died before the
-        event was read (a SIGKILL right after the creation); any other creator is proven by
-        its environment, read now."""
+        """An entry appeared in /dev/shm, made by pid (the fanotify thread): attributed by
+        omnid.process.proof from facts that take no lock of the creator's; an environment is
+        read only for a descendant of this daemon nothing else ties, bounded."""
+        facts = _creator_facts(pid, self.root_pid)
         with self._lock:
-            tag = self._pid_unit.get(pid)
-        if tag is None:
-            tag = _unit_of(pid, self.token)
+            pid_unit = dict(self._pid_unit)
+            cgroups: dict[str, str | None] = {}
+            for unit, cg in self._cgroup.items():  # a cgroup proves a unit only when no other shares it
+                cgroups[cg] = None if cg in cgroups else unit
+        found = proof.creator_unit(facts, pid_unit, {cg: u for cg, u in cgroups.items() if u is not None})
+        tag = found.unit
+        if tag is None and found.ask_environ:
+            tag = self.environ.unit_of(pid, self.token, late=lambda unit: self._record(unit, pid, name))
         if tag is None:
             self.unattributed += 1
             return
+        self._record(tag, pid, name)
+
+    def _record(self, tag: str, pid: int, name: str) -> None:
         try:
             st = _lstat_in_shm(name)
         except OSError:
@@ -138,8 +168,7 @@ class IpcBook:
             if u is None:
                 return
             if len(u.pids) < MAX_PIDS:
-                u.pids.add(pid)
-                self._pid_unit[pid] = tag
+                u.pids.add(pid)  # a creator of the unit's: its System V segments are the unit's too
             if name in u.shm or len(u.shm) < MAX_OBJECTS:
                 u.shm[name] = st.st_ino
             else:
@@ -172,8 +201,41 @@ class IpcBook:
                     log.warning("IPC attribution of a unit not taken over (malformed)", unit=str(k), error=str(exc))
 
 
+def _cgroup_of(pid: int) -> str | None:
+    """The cgroup v2 path of a process (/proc/PID/cgroup's "0::" line: no memory lock), or None."""
+    try:
+        with open(f"/proc/{pid}/cgroup", "rb") as f:
+            for line in f.read(65536).splitlines():
+                if line.startswith(b"0::"):
+                    return os.fsdecode(line[3:]).split(" (deleted)")[0]
+    except OSError:
+        return None
+    return None
+
+
+def _creator_facts(pid: int, root_pid: int, max_depth: int = 64) -> proof.Creator:
+    """What /proc/PID/stat and /proc/PID/cgroup say of a creator and its ancestors (no memory
+    lock is taken). A parent that started after its child is a reused pid: the chain ends."""
+    st = linux.read_stat(pid)
+    if st is None:
+        return proof.Creator(pid, gone=True)
+    lineage = [pid]
+    descends = pid == root_pid
+    cur = st
+    while not descends and cur.ppid > 1 and len(lineage) < max_depth:
+        parent = linux.read_stat(cur.ppid)
+        if parent is None or parent.start_time > cur.start_time:
+            break
+        lineage.append(parent.pid)
+        descends = parent.pid == root_pid
+        cur = parent
+    return proof.Creator(pid, gone=False, lineage=tuple(lineage), sid=st.sid, pgid=st.pgid, descends=descends,
+                         cgroup=_cgroup_of(pid))
+
+
 def _unit_of(pid: int, token: str) -> str | None:
-    """The unit a process belongs to, proven by this daemon's token in its environment."""
+    """The unit a process belongs to, proven by this daemon's token in its environment.
+    Takes the process's memory lock: only ever called through EnvironReads."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             data = f.read(1 << 20)
@@ -187,6 +249,66 @@ def _unit_of(pid: int, token: str) -> str | None:
         elif item.startswith(b"OMNID_DAEMON="):
             ours = item[13:].decode(errors="replace") == token
     return unit if ours else None
+
+
+class EnvironReads:
+    """Reads of /proc/PID/environ, each on a thread of its own (a daemon thread: the exit never
+    waits for it). The caller waits at most `wait_s`; a read that returns later still
+    attributes (`late`). While `max_out` have not returned, or one for the same pid is out, a
+    new one is refused at once: a process that holds its memory lock for good costs one
+    thread and one wait, not the listener."""
+
+    def __init__(self, max_out: int = ENVIRON_MAX_OUT, wait_s: float = ENVIRON_WAIT_S) -> None:
+        self.max_out = max_out
+        self.wait_s = wait_s
+        self._lock = threading.Lock()
+        self.out: dict[int, float] = {}  # pid -> when its read began (monotonic)
+        self.refused = 0
+        self.timed_out = 0
+
+    def unit_of(self, pid: int, token: str, late: Callable[[str], None]) -> str | None:
+        with self._lock:
+            if pid in self.out or len(self.out) >= self.max_out:
+                self.refused += 1
+                oldest = min(self.out.items(), key=lambda kv: kv[1])
+                refused = self.refused
+            else:
+                oldest = None
+                self.out[pid] = time.monotonic()
+        if oldest is not None:
+            if refused == 1 or refused % 100 == 0:
+                log.warning("a /dev/shm entry not attributed: environment reads of other processes have not "
+                            "returned (a process holding its memory lock?)", pid=pid, refused=refused,
+                            oldest_pid=oldest[0], oldest_out_s=round(time.monotonic() - oldest[1], 1))
+            return None
+        done = threading.Event()
+        box: dict[str, object] = {}
+
+        def work() -> None:
+            try:
+                unit = _unit_of(pid, token)
+            except Exception as exc:  # noqa: BLE001 - said, and the read counts as returned
+                log.warning("reading a creator's environment failed", pid=pid, error=str(exc))
+                unit = None
+            with self._lock:
+                self.out.pop(pid, None)
+                box["unit"] = unit
+                gave_up = "gave_up" in box
+            done.set()
+            if gave_up and unit is not None:
+                late(unit)
+
+        threading.Thread(target=work, name=f"omnid-environ {pid}", daemon=True).start()
+        if done.wait(self.wait_s):
+            return box["unit"]  # type: ignore[return-value]
+        with self._lock:
+            if "unit" in box:
+                return box["unit"]  # type: ignore[return-value]
+            box["gave_up"] = True
+            self.timed_out += 1
+        log.warning("a creator's environment did not answer in time; its /dev/shm entry is attributed if it "
+                    "answers later", pid=pid, wait_s=self.wait_s)
+        return None
 
 
 class ShmWatch:
@@ -218,16 +340,28 @@ class ShmWatch:
         self._thread.start()
         return None
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = STOP_WAIT_S) -> bool:
+        """The listener told to end and its fds closed, waiting at most `timeout` (the daemon's
+        exit must never hang on it). False when it did not end in time: its fds are then left
+        to the exit, since closing them under a reader could hand their numbers to another file."""
         if self._thread is None:
-            return
+            return True
+        deadline = time.monotonic() + timeout
         os.write(self._stop_w, b"x")
-        self._thread.join(timeout=2.0)
-        with self._read:
+        self._thread.join(timeout=timeout / 2)
+        if not self._read.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            log.warning("the /dev/shm listener did not end in time; its fds are left to the exit",
+                        waited_s=timeout, thread_alive=self._thread.is_alive())
+            self._thread = None
+            return False
+        try:
             for fd in (self.fd, self._stop_r, self._stop_w):
                 os.close(fd)
             self.fd = -1
+        finally:
+            self._read.release()
         self._thread = None
+        return True
 
     def _run(self) -> None:
         poller = select.poll()
@@ -252,27 +386,38 @@ class ShmWatch:
         """Read and attribute every event queued now (the listener's loop; and the removal,
         so that what a unit created just before it died is in its record). False when the
         queue cannot be read any more."""
-        with self._read:
-            if self.fd < 0:
+        if not self._read.acquire(timeout=DRAIN_LOCK_S):
+            # The listener is attributing a batch (each environment read is bounded): what it
+            # reads is in the record once it is done; a removal does not wait longer for it.
+            log.warning("the /dev/shm listener is busy; removal goes on without its last events",
+                        waited_s=DRAIN_LOCK_S)
+            return True
+        try:
+            return self._drain()
+        finally:
+            self._read.release()
+
+    def _drain(self) -> bool:
+        if self.fd < 0:
+            return False
+        while True:
+            try:
+                buf = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return True
+            except OSError as exc:
+                log.error("reading fanotify events failed; POSIX IPC no longer attributed", error=str(exc))
                 return False
-            while True:
-                try:
-                    buf = os.read(self.fd, 65536)
-                except BlockingIOError:
-                    return True
-                except OSError as exc:
-                    log.error("reading fanotify events failed; POSIX IPC no longer attributed", error=str(exc))
-                    return False
-                try:
-                    for pid, name in parse_events(buf):
-                        self.events += 1
-                        if name is None:
-                            self.overflows += 1
-                            log.warning("fanotify queue overflow: some /dev/shm entries are not attributed")
-                            continue
-                        self.book.created(pid, name)
-                except Exception:  # noqa: BLE001 - the listener must outlive a malformed event; said each time
-                    log.exception("a fanotify event could not be read")
+            try:
+                for pid, name in parse_events(buf):
+                    self.events += 1
+                    if name is None:
+                        self.overflows += 1
+                        log.warning("fanotify queue overflow: some /dev/shm entries are not attributed")
+                        continue
+                    self.book.created(pid, name)
+            except Exception:  # noqa: BLE001 - the listener must outlive a malformed event; said each time
+                log.exception("a fanotify event could not be read")
 
 
 def parse_events(buf: bytes) -> list[tuple[int, str | None]]:
@@ -342,43 +487,76 @@ def _sysv_rows(kind: str) -> list[dict[str, str]]:
 
 
 def _sysv_candidates(u: UnitIpc) -> list[SysvObject]:
+    """The System V objects omnid.process.proof says are the instance's."""
     out: list[SysvObject] = []
-    since = u.since - CLOCK_SLACK_S
-    pids = u.pids
+    inst = u.instance()
     for r in _sysv_rows("shm"):
-        try:
-            if int(r["uid"]) != u.uid or int(r["cuid"]) != u.uid or int(r["nattch"]) != 0:
+        if proof.sysv_segment(inst, r):
+            out.append(SysvObject("shm", int(r["shmid"]), int(r["key"]), tuple(sorted(r.items())), int(r["size"])))
+    # Queues and semaphore sets carry no creator pid: the unit's user must be a user of its
+    # own, asked of the host (a /proc count) only when such an object of that user exists.
+    user: proof.Verdict | None = None
+    for kind, idkey in ((proof.Kind.SYSV_MSG, "msqid"), (proof.Kind.SYSV_SEM, "semid")):
+        for r in _sysv_rows("msg" if kind is proof.Kind.SYSV_MSG else "sem"):
+            if r.get("uid") != str(u.uid) or r.get("cuid") != str(u.uid):
                 continue
-            made = int(r["cpid"]) in pids and int(r["ctime"]) >= since
-            used = int(r["lpid"]) in pids and max(int(r["atime"]), int(r["dtime"])) >= since
-            if made or used:
-                out.append(SysvObject("shm", int(r["shmid"]), int(r["key"]), tuple(sorted(r.items())),
-                                      int(r["size"])))
-        except (KeyError, ValueError):
-            continue
-    for r in _sysv_rows("msg"):
-        try:
-            if int(r["uid"]) != u.uid or int(r["cuid"]) != u.uid:
-                continue
-            if (int(r["lspid"]) in pids and int(r["stime"]) >= since) or \
-                    (int(r["lrpid"]) in pids and int(r["rtime"]) >= since):
-                out.append(SysvObject("msg", int(r["msqid"]), int(r["key"]), tuple(sorted(r.items()))))
-        except (KeyError, ValueError):
-            continue
-    for r in _sysv_rows("sem"):
-        try:
-            if int(r["uid"]) != u.uid or int(r["cuid"]) != u.uid:
-                continue
-            if max(int(r["otime"]), int(r["ctime"])) < since:
-                continue
-            semid, nsems = int(r["semid"]), min(int(r["nsems"]), 256)
-            # The kernel keeps no creator pid for a semaphore set: the last operator of each
-            # semaphore (semop, SETVAL, SETALL) is the proof.
-            if any(_libc.semctl(semid, i, GETPID) in pids for i in range(nsems)):
-                out.append(SysvObject("sem", semid, int(r["key"]), tuple(sorted(r.items()))))
-        except (KeyError, ValueError):
-            continue
+            if user is None:
+                user = proof.own_user(user_facts(u.uid))
+                if not user:
+                    log.info("System V queues and semaphore sets of the unit's user are not its own to remove",
+                             unit=u.unit, why=user.reason)
+            if proof.sysv_keyed(kind, inst, r, user):
+                out.append(SysvObject("msg" if kind is proof.Kind.SYSV_MSG else "sem", int(r[idkey]), int(r["key"]),
+                                      tuple(sorted(r.items()))))
     return out
+
+
+def sys_uid_max(path: str = "/etc/login.defs") -> int:
+    """The highest system uid: SYS_UID_MAX, else UID_MIN - 1, from login.defs (as shadow-utils)."""
+    keys: dict[str, int] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 2 and parts[0] in ("SYS_UID_MAX", "UID_MIN"):
+                    try:
+                        keys[parts[0]] = int(parts[1], 0)
+                    except ValueError:
+                        continue
+    except OSError:
+        pass
+    if "SYS_UID_MAX" in keys:
+        return keys["SYS_UID_MAX"]
+    return keys["UID_MIN"] - 1 if "UID_MIN" in keys else proof.SYS_UID_MAX_DEFAULT
+
+
+def processes_of(uid: int, budget_s: float = UID_SCAN_S) -> int | None:
+    """Live processes with `uid` as real, effective, saved or fs uid (/proc/PID/status, which
+    takes no memory lock); None when the count did not finish within the budget."""
+    deadline = time.monotonic() + budget_s
+    want = str(uid).encode()
+    n = 0
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return None
+    for p in pids:
+        if time.monotonic() > deadline:
+            return None
+        try:
+            with open(f"/proc/{p}/status", "rb") as f:
+                for line in f.read(8192).splitlines():
+                    if line.startswith(b"Uid:"):
+                        n += want in line.split()[1:]
+                        break
+        except OSError:
+            continue  # gone meanwhile
+    return n
+
+
+def user_facts(uid: int) -> proof.UserFacts:
+    session = any(os.path.exists(p) for p in (f"/run/systemd/users/{uid}", f"/run/user/{uid}"))
+    return proof.UserFacts(uid, sys_uid_max(), None if session else processes_of(uid), session)
 
 
 def _still_same(o: SysvObject) -> bool:
@@ -486,7 +664,7 @@ def remove_posix(u: UnitIpc, budget_s: float = 2.0) -> tuple[list[str], list[str
     held_now: dict[str, int] = {}
     removed: list[str] = []
     kept: list[str] = []
-    # POSIX: still the same inode, owned by the unit's user, a regular file.
+    inst = u.instance()
     cands: dict[int, str] = {}
     sizes: dict[int, int] = {}
     dev = -1
@@ -502,7 +680,7 @@ def remove_posix(u: UnitIpc, budget_s: float = 2.0) -> tuple[list[str], list[str
                     st = linux.stat_same_mount(name, dfd)
                 except OSError:
                     continue  # unlinked by its program, or something mounted there: nothing to do
-                if st.st_ino == ino and st.st_uid == u.uid and stat.S_ISREG(st.st_mode):
+                if proof.posix_entry(inst, name, ino, st):
                     cands[ino] = name
                     sizes[ino] = st.st_size
             if cands:

@@ -157,7 +157,10 @@ async def any_readable(fds: list[int], timeout: float) -> bool:
     import asyncio
 
     if timeout <= 0:
-        return bool(fds) and bool(select.select(fds, [], [], 0)[0])
+        p = select.poll()  # not select(): it refuses fds from 1024 on
+        for fd in fds:
+            p.register(fd, select.POLLIN)
+        return bool(fds) and bool(p.poll(0))
     loop = asyncio.get_running_loop()
     woke = loop.create_future()
 
@@ -342,8 +345,29 @@ def scan() -> list[ProcStat]:
     return out
 
 
+def _has_proc_children() -> bool:
+    """Whether the kernel lists children in /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN)."""
+    pid = os.getpid()
+    return os.path.exists(f"/proc/{pid}/task/{pid}/children")
+
+
+# Read once: without it, every children file is missing and a live tree would read as empty.
+PROC_CHILDREN = _has_proc_children()
+
+
+def proc_children_note() -> str | None:
+    """What the daemon says once at start where the kernel has no children lists, else None."""
+    if PROC_CHILDREN:
+        return None
+    return ("the kernel has no /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN is off): a process's children "
+            "are found by reading every process's parent in /proc, which costs in proportion to the host")
+
+
 def children_of(pid: int) -> list[int]:
-    """Direct children of a process, from /proc/PID/task/*/children (no full /proc scan)."""
+    """Direct children of a process, from /proc/PID/task/*/children (no full /proc scan); where
+    the kernel has no such lists, from every process's parent (a full /proc scan)."""
+    if not PROC_CHILDREN:
+        return [p.pid for p in scan() if p.ppid == pid]
     out: list[int] = []
     try:
         tids = os.listdir(f"/proc/{pid}/task")

@@ -22,9 +22,16 @@ from typing import Any, Callable
 
 import zmq
 
-from omnid.base import linux
+from omnid.base import linux, testswitch
 
 REPO = Path(__file__).resolve().parent.parent
+
+# omnid's test switches (omnid.base.testswitch) are obeyed only in its own test suite: this is
+# it, for this process and every daemon it starts. The suite's daemons are tests wherever the
+# suite runs, a CI job in a Kubernetes pod or a Slurm allocation included.
+os.environ[testswitch.OPT_IN_ENV] = "1"
+for _name in ("KUBERNETES_SERVICE_HOST", "SLURM_JOB_ID"):
+    os.environ.pop(_name, None)
 
 # Every /tmp/omst-* and /tmp/omd-* directory this process made, removed at exit even
 # when a test failed before its own cleanup (a stack directory has no owner to close it).

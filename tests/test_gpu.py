@@ -23,6 +23,7 @@ import pytest
 import structlog.testing
 
 from omnid import gpu
+from omnid.base import testswitch
 from omnid.gpu import (
     GpuInfo,
     GpuProcess,
@@ -234,12 +235,13 @@ def test_fake_gpu_status_says_fake_and_the_demo_worker_reads_the_same_option() -
     with contextlib.redirect_stdout(buf):
         print_gpu(st)
     assert f"GPU: {st['warning']}" in buf.getvalue().splitlines()
-    # The demo worker names the option again rather than import omnid.gpu (read without
-    # importing the worker: that loads torch).
+    # The demo worker takes the option's name from where it is defined once, not from
+    # omnid.gpu (read without importing the worker: that loads torch).
     tree = ast.parse((Path(gpu.__file__).parent.parent / "demo" / "worker.py").read_text())
-    [value] = [n.value.value for n in tree.body if isinstance(n, ast.Assign)
+    [value] = [ast.unparse(n.value) for n in tree.body if isinstance(n, ast.Assign)
                and [getattr(t, "id", None) for t in n.targets] == ["FAKE_GPU_ENV"]]
-    assert value == gpu.FAKE_GPU_ENV == "OMNID_DEVELOPER_FAKE_GPU"
+    assert value == "testswitch.FAKE_GPU_ENV", value
+    assert gpu.FAKE_GPU_ENV == testswitch.FAKE_GPU_ENV == "OMNID_DEVELOPER_FAKE_GPU"
 
 
 def test_fake_gpu_file_is_reread_on_every_call(tmp_path: Path) -> None:

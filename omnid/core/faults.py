@@ -3,16 +3,17 @@ one unit, so that the tests can prove what INTERNAL_ERROR does in every position
 
 Off unless the daemon's environment has OMNID_TEST_INJECT_FAULT="POINT:UNIT" (developer-only,
 documented as such in ARCHITECTURE.md and omnid(8); no flag, no setting, no control request
-turns it on, and the daemon logs an error at start while it is set). POINT is one of POINTS:
+turns it on, it is obeyed only where omnid.base.testswitch allows test switches, and the daemon
+logs an error at start while it is set). POINT is one of POINTS:
 an action type's handler in the executor, or "spawn": the spawn task once the child has been
 adopted (the worst case: a process is out and must be killed).
 """
 
 from __future__ import annotations
 
-import os
+from omnid.base import testswitch
 
-ENV = "OMNID_TEST_INJECT_FAULT"
+ENV = testswitch.INJECT_FAULT_ENV
 # point -> the action type (its class name) whose handler raises; "spawn" is the spawn task.
 POINTS = {"spawn": "", "signal": "Signal", "timer": "ArmTimer", "capture": "Capture", "drain": "Drain",
           "release": "Release", "publish": "Publish", "monitors": "StartMonitors"}
@@ -29,8 +30,9 @@ class Faults:
 
     @classmethod
     def from_environ(cls) -> tuple[Faults | None, str | None]:
-        """(the hook, None), (None, why the value is refused), or (None, None) when unset."""
-        raw = os.environ.get(ENV)
+        """(the hook, None), (None, why the value is refused), or (None, None) when unset or
+        not obeyed here (testswitch.refused_at_start says why)."""
+        raw = testswitch.value(ENV)
         if not raw:
             return None, None
         point, sep, unit = raw.partition(":")

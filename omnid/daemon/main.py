@@ -41,7 +41,7 @@ import structlog
 from omnid.daemon import clusterwiring
 from omnid.daemon.parts import DaemonParts
 from omnid.daemon import fronts
-from omnid.base import closer, linux
+from omnid.base import closer, linux, testswitch
 from omnid.daemon import shutdown
 from omnid.daemon import startup
 from omnid.api.control import ControlError
@@ -147,6 +147,10 @@ class Daemon(DaemonParts):
                               check_invariants=os.environ.get("OMNID_CHECK_INVARIANTS") == "1",
                               gpu=self.gpu, cgroups=self.cgroups)
         self.sup.fdstore.start()  # stored fds that hang up are dropped (omnid.process.fdstore)
+        for name, why in testswitch.refused_at_start():  # outside omnid's test suite: ignored, said once
+            log.error("test switch ignored", env=name, reason=why)
+        if (note := linux.proc_children_note()) is not None:
+            log.warning("no children lists in /proc: falling back to full scans", reason=note)
         faults, refused = Faults.from_environ()
         if refused:
             log.error("test fault injection refused", reason=refused)

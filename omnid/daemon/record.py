@@ -38,13 +38,14 @@ import json
 import os
 from typing import Any
 
+from omnid.base import testswitch
 from omnid.core.lifecycle import Cause, Goal, Phase, UnitState
 from omnid.base.jsonshape import (BOOL, COUNT, FD, INT, NUM, STR, DictOf, ListOf, Obj, OneOf, Opt, Record, ShapeError,
                              Str, Tuple)
 
 FORMAT = 1  # the record's version: a new program refuses a format it does not know
 MAX_BYTES = 1 << 30  # what the new program reads at most
-FAULT_ENV = "OMNID_FAULT_HANDOVER"  # test hook (omnid(8)): "corrupt" writes an unreadable record
+FAULT_ENV = testswitch.FAULT_HANDOVER_ENV  # test switch (omnid(8)): "corrupt" writes an unreadable record
 
 
 class RecordError(ShapeError):
@@ -190,7 +191,7 @@ def collect(daemon: Any, check: Any) -> tuple[dict[str, Any], list[int]]:
 def write(record: dict[str, Any]) -> int:
     """The record in a memfd that survives exec (no close-on-exec); returns its fd."""
     data = json.dumps(record).encode()
-    if os.environ.get(FAULT_ENV) == "corrupt":
+    if testswitch.value(FAULT_ENV) == "corrupt":
         data = b"\x00{not json" + data[: len(data) // 3]
     fd = os.memfd_create("omnid-handover", 0)
     view = memoryview(data)

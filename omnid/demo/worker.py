@@ -27,6 +27,7 @@ from typing import Any
 
 import zmq
 
+from omnid.base import testswitch
 from omnid.demo import protocol
 from omnid.demo.sdnotify import Notifier, watchdog_interval
 
@@ -277,10 +278,9 @@ def run(config: WorkerConfig) -> int:
     return 0
 
 
-# omnid's developer option for its fake GPU backend (omnid.gpu.FAKE_GPU_ENV), named again
-# rather than imported: importing omnid.gpu costs a worker ~150 ms (tests/test_gpu.py checks
-# that the two agree).
-FAKE_GPU_ENV = "OMNID_DEVELOPER_FAKE_GPU"
+# omnid's developer option for its fake GPU backend, from omnid.base.testswitch (where it is
+# defined once) rather than omnid.gpu: importing omnid.gpu costs a worker ~150 ms.
+FAKE_GPU_ENV = testswitch.FAKE_GPU_ENV
 
 
 @functools.cache

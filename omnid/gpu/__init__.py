@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from omnid.base import ownership
+from omnid.base import ownership, testswitch
 from omnid.gpu.backend import (GpuBackend, GpuInfo, GpuProcess, MigInfo, NoGpuBackend, find_device, gpus_async,
                                holders_of, in_initial_pid_namespace, log, memory_held_by, processes_async,
                                wait_released)
@@ -59,9 +59,10 @@ __all__ = ["FAKE_GPU_ENV", "GpuBackend", "GpuCondition", "GpuInfo", "GpuItem", "
 DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg")
 
 
-# The developer option that swaps NVML for the fake backend (omnid.gpu.fake), and the
-# name it had before it was one (read only to say that it is not read any more).
-FAKE_GPU_ENV = "OMNID_DEVELOPER_FAKE_GPU"
+# The developer option that swaps NVML for the fake backend (omnid.gpu.fake; a test switch,
+# omnid.base.testswitch), and the name it had before it was one (read only to say that it is
+# not read any more).
+FAKE_GPU_ENV = testswitch.FAKE_GPU_ENV
 RETIRED_FAKE_GPU_ENV = "OMNID_FAKE_GPU"
 
 
@@ -89,25 +90,19 @@ def developer_fake() -> GpuBackend | None:
     else None (the real backends; a refusal is logged as an error naming the reason).
 
     It cannot be switched on by accident in production: only this variable turns it on
-    (no flag, no setting, no control request); it is refused in the main process of a
-    systemd service (the shipped omnid.service), and for a file that a user other than
-    omnid's (or root) could write or replace, since its contents decide which units may
-    start and which fail (an injected Xid). When on, it says so here at every start, in
-    `omnid status` and in /health."""
+    (no flag, no setting, no control request); it is a test switch (omnid.base.testswitch:
+    refused outside omnid's test suite, and in a systemd service, a Kubernetes pod or a
+    Slurm job), and refused for a file that a user other than omnid's (or root) could write
+    or replace, since its contents decide which units may start and which fail (an injected
+    Xid). When on, it says so here at every start, in `omnid status` and in /health."""
     if os.environ.get(RETIRED_FAKE_GPU_ENV):
         log.error(f"gpu: {RETIRED_FAKE_GPU_ENV} is not read any more: the fake GPU backend is the "
                   f"developer option {FAKE_GPU_ENV}", env=RETIRED_FAKE_GPU_ENV)
     path = os.environ.get(FAKE_GPU_ENV)
     if not path:
         return None
-    refused = None
-    # systemd sets SYSTEMD_EXEC_PID to the pid of the service's main process; a test daemon
-    # started under a CI runner that is itself a service inherits it with another pid.
-    # Before systemd 248 (no SYSTEMD_EXEC_PID): a service's main process is a child of pid 1.
-    if os.environ.get("SYSTEMD_EXEC_PID") == str(os.getpid()) or (os.environ.get("INVOCATION_ID")
-                                                                   and os.getppid() == 1):
-        refused = "omnid runs as a systemd service, where GPUs are real; unset it in the service's environment"
-    else:
+    refused = testswitch.refusal()
+    if refused is None:
         try:
             os.close(ownership.open_checked(path, f"fake GPU file ({FAKE_GPU_ENV})"))
         except ownership.UnsafePath as exc:

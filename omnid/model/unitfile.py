@@ -16,7 +16,7 @@ from typing import Any
 from omnid.model.cluster import parse_cluster
 from omnid.base.ownership import UnsafePath, read_unit_file
 from omnid.model.keys import TEMPLATE_KEYS, UNIT_KEY_BY_NAME, UNIT_KEY_TABLE, UNIT_KEYS
-from omnid.model.unitmodel import MAX_PASSED_FDS, Canary, DaemonSettings, ListenSocket, Liveness, LogFormat, Progress, ReadyKind, TorchDistributed, UnitFileError, UpdatePolicy
+from omnid.model.unitmodel import DEFAULT_BACKLOG, MAX_PASSED_FDS, Canary, DaemonSettings, ListenSocket, Liveness, LogFormat, Progress, ReadyKind, TorchDistributed, UnitFileError, UpdatePolicy
 from omnid.model.unitvalues import InvalidValue, Table, argv, boolean, choice, describe, integer, nonempty_string, quote, seconds, string, string_list, parse_host_port
 
 
@@ -268,8 +268,8 @@ def _canary(file: Path, raw: Any, errors: list[UnitFileError]) -> Canary | None:
     return Canary(**_request(ct, "POST"))
 
 
-_SOCKET_EXPECTED = ('an array of tables { listen = "HOST:PORT" or "/path.sock", name = "http", backlog = 1024, '
-                    'mode = "0660", reuseport = false }')
+_SOCKET_EXPECTED = ('an array of tables { listen = "HOST:PORT" or "/path.sock", name = "http", '
+                    f'backlog = {DEFAULT_BACKLOG}, mode = "0660", reuseport = false }}')
 
 
 def _fd_name(value: Any) -> str:
@@ -310,7 +310,7 @@ def _sockets(file: Path, raw: Any, errors: list[UnitFileError]) -> tuple[ListenS
         mode = st.get("mode", None, _file_mode)  # None: not written (checked after expansion)
         out.append(ListenSocket(
             listen=st.get("listen", "", nonempty_string), name=st.get("name", "", _fd_name),
-            backlog=st.get("backlog", 1024, integer(1, 65535)), mode=mode,
+            backlog=st.get("backlog", DEFAULT_BACKLOG, integer(1, 65535)), mode=mode,
             reuseport=st.get("reuseport", False, boolean)))
     return tuple(out)
 

@@ -138,6 +138,9 @@ class Progress:
     canary: Canary | None = None
 
 
+DEFAULT_BACKLOG = 1024  # a `sockets` entry's listen backlog when the unit file gives none
+
+
 @dataclass(frozen=True)
 class ListenSocket:
     """One `sockets` entry: a listening socket the daemon binds before the unit starts and
@@ -145,7 +148,7 @@ class ListenSocket:
 
     listen: str  # "HOST:PORT" (numeric host, IPv6 in brackets) or an absolute Unix socket path
     name: str  # its LISTEN_FDNAMES entry
-    backlog: int = 1024
+    backlog: int = DEFAULT_BACKLOG
     mode: int = 0o660  # a Unix socket's file mode
     reuseport: bool = False  # SO_REUSEPORT: several sockets (instances) on one address
 

@@ -68,6 +68,13 @@ async def run(sup: Centre, rt: UnitRuntime, argv: tuple[str, ...], timeout: floa
     finally:
         os.close(out_w)
     h = ProcessHandle(unit=rt.name, pid=sp.pid, pidfd=sp.pidfd, pgid=sp.pid, start_time=sp.start_time)
+
+    def kill_group() -> None:
+        # Once the probe is reaped its group's members are looked for among the spawner's
+        # descendants, the units' subtrees pruned: never a scan of the host's /proc on the loop.
+        h.signal_group(signal.SIGKILL, sup.token,
+                       lambda: linux.descendants(sup.spawner.pid, frozenset(sup.by_pid)))
+
     reported = sup.exits.expect_helper(sp.pid)
     tail = bytearray()
     exited = loop.create_future()
@@ -102,7 +109,7 @@ async def run(sup: Centre, rt: UnitRuntime, argv: tuple[str, ...], timeout: floa
         except TimeoutError:
             timed_out = True
         # Its group goes with it: at the timeout, and whatever it left running when it exited.
-        h.signal_group(signal.SIGKILL, sup.token)
+        kill_group()
         if timed_out:
             try:
                 await asyncio.wait_for(asyncio.shield(exited), REAP_WAIT_S)
@@ -120,7 +127,7 @@ async def run(sup: Centre, rt: UnitRuntime, argv: tuple[str, ...], timeout: floa
                 break
     finally:
         if not exited.done():  # cancelled (the unit left `active`) or failed above
-            h.signal_group(signal.SIGKILL, sup.token)
+            kill_group()
         loop.remove_reader(out_r)
         os.close(out_r)
         h.close()  # removes the pidfd's reader too

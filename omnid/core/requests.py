@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
+from omnid.base import linux
 from omnid.core.errors import RequestRefused
 from omnid.core.lifecycle import Goal, UnitState
 from omnid.process.termination import StopRecord
@@ -250,10 +251,18 @@ class OperatorRequests:
         return [units[n].snapshot() for n in targets], ""
 
     def kill_unit(self, name: str, sig: int) -> list[str]:
+        """`omnid kill`: sig to each instance's process group, proven the unit's (signal_group).
+        Once a leader is reaped its group's members are looked for among the spawner's
+        descendants, the units' subtrees pruned: never a scan of the host's /proc on the loop."""
+        sup = self.sup
+
+        def stack() -> list[linux.ProcStat]:
+            return linux.descendants(sup.spawner.pid, frozenset(sup.by_pid))
+
         out = []
-        for n in self.sup.expand([name], whole_groups=False):
+        for n in sup.expand([name], whole_groups=False):
             rt = self.units[n]
-            if rt.proc is not None and rt.proc.signal_group(sig, self.sup.token):
+            if rt.proc is not None and rt.proc.signal_group(sig, sup.token, stack):
                 out.append(n)
         return out
 

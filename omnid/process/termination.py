@@ -37,7 +37,7 @@ import structlog
 
 from omnid.base import linux
 from omnid.process.handle import ProcessHandle, Survivor, kill_survivors
-from omnid.process.unitprocs import POLL_S, GroupProcesses, HeldProcesses, UnitProcesses
+from omnid.process.unitprocs import MAX_BACKOFF_S, POLL_S, GroupProcesses, HeldProcesses, UnitProcesses
 
 log = structlog.get_logger("omnid.process.termination")
 
@@ -63,6 +63,11 @@ class StopRecord:
     rest: str = ""  # what the rest of the unit got once the main process had exited ("SIGKILL")
     main_seconds: float | None = None  # first signal -> the main process exited (to == "main")
     ipc_removed: list[str] = field(default_factory=list)  # IPC objects of the unit removed (omnid.process.ipc)
+    # The removal of what the processes left (omnid.core.cleanup), a step of its own after the
+    # exit, on its own clock: never part of `seconds`, never a reason to escalate.
+    cleanup_seconds: float | None = None  # None: no removal ran for this stop
+    tmp_entries: int | None = None  # entries removed from the private tmp directory (None: it was empty)
+    tmp_left: str = ""  # why the private tmp directory is not (fully) removed
 
     def to_json(self) -> dict:
         # Not dataclasses.asdict: it deep-copies, and a 256-unit summary is on the stop path.
@@ -70,7 +75,8 @@ class StopRecord:
                 "residue": list(self.residue), "unkillable": list(self.unkillable),
                 "gpu_release_ms": self.gpu_release_ms, "gpu_held": list(self.gpu_held), "was": self.was,
                 "to": self.to, "rest": self.rest, "main_seconds": self.main_seconds,
-                "ipc_removed": list(self.ipc_removed)}
+                "ipc_removed": list(self.ipc_removed), "cleanup_seconds": self.cleanup_seconds,
+                "tmp_entries": self.tmp_entries, "tmp_left": self.tmp_left}
 
     @classmethod
     def from_json(cls, d: dict) -> StopRecord:
@@ -82,7 +88,11 @@ class StopRecord:
                    # absent in the record of a daemon from before kill_mode (a re-exec's state)
                    to=str(d.get("to", "")), rest=str(d.get("rest", "")),
                    main_seconds=None if d.get("main_seconds") is None else float(d["main_seconds"]),
-                   ipc_removed=[str(x) for x in d.get("ipc_removed", [])])
+                   ipc_removed=[str(x) for x in d.get("ipc_removed", [])],
+                   # absent in the record of a daemon from before the removal was its own step
+                   cleanup_seconds=None if d.get("cleanup_seconds") is None else float(d["cleanup_seconds"]),
+                   tmp_entries=None if d.get("tmp_entries") is None else int(d["tmp_entries"]),
+                   tmp_left=str(d.get("tmp_left", "")))
 
 
 class Target(Protocol):
@@ -211,6 +221,7 @@ class Termination:
         self.target = target
         self.rec = StopRecord(unit=target.name, signal="", seconds=None, escalated=False)
         self.t0 = 0.0
+        self.proven_gone = False  # until_gone returned True: nothing of the target runs any more
 
     def begin(self, sig: int, cont: bool, main_only: bool = False) -> None:
         """The first signal (then SIGCONT, so a stopped process can act on it) to everything
@@ -259,13 +270,18 @@ class Termination:
         log.info("main process exited: the rest of the unit signalled", unit=self.target.name, signal=self.rec.rest,
                  main_s=self.rec.main_seconds, took_ms=round((time.monotonic() - now) * 1000, 1))
 
-    def escalate(self) -> None:
-        """stop_timeout passed: SIGKILL everything of the target."""
+    def escalate(self, why: str = "stop timeout") -> None:
+        """A bound passed (`why`: "stop timeout", "leftover timeout", "abort timeout", the stack
+        stop's deadline): SIGKILL everything of the target. Once the kernel has proven it gone
+        nothing is sent, and the log says so: a stop is an escalation only if it was one."""
+        after_s = round(time.monotonic() - self.t0, 3)
+        if self.proven_gone:
+            log.info(f"{why}: nothing left to signal", unit=self.target.name, after_s=after_s)
+            return
         self.rec.escalated = self.rec.signal != "SIGKILL"
         self.target.kill_all()
         if self.rec.escalated:
-            log.warning("stop timeout: sent SIGKILL", unit=self.target.name,
-                        after_s=round(time.monotonic() - self.t0, 3))
+            log.warning(f"{why}: sent SIGKILL", unit=self.target.name, after_s=after_s)
 
     async def until_gone(self, deadline: float | None = None) -> bool:
         """Wait until nothing of the target runs (the kernel's proof); False at the deadline
@@ -273,19 +289,31 @@ class Termination:
         gone = await self.target.wait_gone(time.monotonic() + UNBOUNDED_S if deadline is None else deadline)
         if self.target.procs.main_gone() and self.rec.seconds is None:
             self.rec.seconds = round(time.monotonic() - self.t0, 4)
+        self.proven_gone = self.proven_gone or gone
         return gone
 
     async def sweep(self, kill_timeout: float) -> list[str]:
         """Orphans that escaped the group (double fork + setsid) die too; returns what is
-        still alive kill_timeout later (unkillable), recorded as residue / unkillable."""
+        still alive kill_timeout later (unkillable), recorded as residue / unkillable.
+
+        Each is held by a pidfd opened after its proof (pid + start time), SIGKILLed through
+        it, and waited for on the pidfds: the kernel wakes the wait when one dies, where a
+        look at the target every 10 ms read /proc on the loop for up to kill_timeout. The
+        target is looked at again once every held one is dead (what was not held: a pid
+        that could not be proven), with a growing pause between two looks."""
         leftovers = self.target.members()
         if leftovers:
             self.rec.residue = [s.describe() for s in leftovers]
-            kill_survivors(leftovers)
             deadline = time.monotonic() + kill_timeout
-            while leftovers and time.monotonic() < deadline:
-                await asyncio.sleep(POLL_S * 2)
+            pause = POLL_S
+            while True:
+                await _kill_and_wait(leftovers, deadline)
                 leftovers = self.target.members()
+                left = deadline - time.monotonic()
+                if not leftovers or left <= 0:
+                    break
+                await asyncio.sleep(min(pause, left))  # what it holds now, not yet provable
+                pause = min(pause * 2, MAX_BACKOFF_S)
         if leftovers:
             self.unkillable(leftovers)
         return self.rec.unkillable
@@ -296,6 +324,19 @@ class Termination:
         self.rec.unkillable = [s.describe() for s in left] or ["main process not reaped"]
         log.error("unkillable processes", unit=self.target.name, survivors=self.rec.unkillable)
         return self.rec.unkillable
+
+
+async def _kill_and_wait(survivors: list[Survivor], deadline: float) -> None:
+    """SIGKILL each survivor through a pidfd opened after its proof (pid + start time), then
+    wait on those pidfds until every one is dead or the deadline passes."""
+    held = HeldProcesses(survivors)
+    try:
+        for _s, fd in held.held:
+            linux.pidfd_send_signal(fd, signal.SIGKILL)
+        while (live := [fd for _s, fd in held.live()]) and (left := deadline - time.monotonic()) > 0:
+            await linux.any_readable(live, left)
+    finally:
+        held.close()
 
 
 async def terminate(target: Target, stop_signal: int, stop_timeout: float, kill_timeout: float, *,

@@ -130,3 +130,132 @@ def test_the_fake_gpu_is_refused_in_a_kubernetes_pod(tmp_path: Path, monkeypatch
     assert backend.kind == "none", backend
     [refused] = [e for e in logs if "refused" in e["event"]]
     assert "Kubernetes" in refused["reason"] and refused["log_level"] == "error", logs
+
+
+# --------------------------------------------------------------------------- no scan of /proc on the loop
+def _count_host_scans_on(monkeypatch, thread: threading.Thread) -> list[str]:
+    """Every full /proc scan (linux.scan) made on `thread` (the event loop's), named by caller."""
+    seen: list[str] = []
+    real = linux.scan
+
+    def scan() -> list[linux.ProcStat]:
+        if threading.current_thread() is thread:
+            seen.append(sys._getframe(1).f_code.co_name)
+        return real()
+
+    monkeypatch.setattr(linux, "scan", scan)
+    return seen
+
+
+def test_omnid_kill_of_a_unit_whose_leader_is_reaped_reads_no_host_wide_proc(monkeypatch) -> None:
+    """`omnid kill` once a unit's main process exited and was reaped, its group still holding a
+    child: the group's members are found among the spawner's descendants (and signalled), the
+    host's whole /proc is not scanned on the loop."""
+    from tests import insup
+
+    scans = _count_host_scans_on(monkeypatch, threading.current_thread())
+    # The child ignores SIGTERM, so the leftovers' SIGTERM leaves it for the kill.
+    unit = ('exec = ["sh", "-c", "trap \'\' TERM; sleep 1000 & echo $! > %s; exit 0"]\nrestart = "no"\n'
+            'leftover_timeout = 30\nstop_timeout = 2\nkill_timeout = 2\n')
+    pidfile = Path(insup.__file__).parent.parent / f".small-holes-{os.getpid()}.pid"
+    unit = unit % pidfile
+
+    async def body(sup) -> None:
+        rt = sup.units["u"]
+        await insup.until(lambda: rt.proc is not None and rt.proc.reaped.is_set() and pidfile.exists()
+                          and pidfile.read_text().strip(), 10, "u's leader reaped, its child left", sup)
+        child = int(pidfile.read_text())
+        assert linux.read_stat(child) is not None and linux.read_stat(child).pgid == rt.proc.pgid
+        del scans[:]
+        assert sup.requests.kill_unit("u", signal.SIGKILL) == ["u"], rt.reason
+        await insup.until(lambda: (st := linux.read_stat(child)) is None or st.state in ("Z", "X"), 5,
+                          "the leftover child killed", sup)
+        assert scans == [], f"host-wide /proc scans on the loop: {scans}"
+
+    try:
+        insup.run({"u": unit}, body)
+    finally:
+        pidfile.unlink(missing_ok=True)
+
+
+def test_an_exec_probe_that_leaves_a_child_has_it_killed_without_a_host_wide_scan(monkeypatch, tmp_path) -> None:
+    """A liveness exec probe that exits 0 leaving a child in its group: the child is killed
+    with it (the probe's group goes with it), and the loop never scans the host's /proc."""
+    from tests import insup
+
+    scans = _count_host_scans_on(monkeypatch, threading.current_thread())
+    pids = tmp_path / "probe-children"
+    unit = (SLEEP + f'liveness = {{ exec = ["sh", "-c", "sleep 1000 & echo $! >> {pids}; exit 0"], '
+            'interval = 0.2, timeout = 5, failures = 3 }\n')
+
+    async def body(sup) -> None:
+        await insup.until(lambda: pids.exists() and len(pids.read_text().split()) >= 3, 15, "three probes run", sup)
+        for pid in [int(p) for p in pids.read_text().split()][:2]:
+            await insup.until(lambda: (st := linux.read_stat(pid)) is None or st.state in ("Z", "X"), 5,
+                              f"probe child {pid} killed", sup)
+        assert sup.units["u"].state.value == "active"
+        assert scans == [], f"host-wide /proc scans on the loop: {scans}"
+
+    insup.run({"u": unit}, body)
+
+
+# --------------------------------------------------------------------------- the sweep waits on the kernel
+class _Target:
+    """A kill target whose members are what `find` says, counting the looks."""
+
+    name = "sweep-test"
+
+    def __init__(self, find) -> None:
+        self.find = find
+        self.looks = 0
+
+    def members(self) -> list[Survivor]:
+        self.looks += 1
+        return self.find()
+
+
+def _survivor(p: subprocess.Popen, start_time: int | None = None) -> list[Survivor]:
+    st = linux.read_stat(p.pid)
+    if st is None or st.state in ("Z", "X"):
+        return []
+    return [Survivor(p.pid, st.comm, st.state, "", "escaped", st.start_time if start_time is None else start_time)]
+
+
+def test_the_sweep_is_woken_by_the_escapees_death() -> None:
+    from omnid.process.termination import Termination
+
+    child = subprocess.Popen(["sleep", "1000"])
+    try:
+        target = _Target(lambda: _survivor(child))
+        term = Termination(target)  # type: ignore[arg-type]
+        t0 = time.monotonic()
+        left = asyncio.run(term.sweep(5.0))
+        took = time.monotonic() - t0
+        assert left == [] and term.rec.residue and child.wait(5) == -signal.SIGKILL, (left, term.rec)
+        assert took < 1.0 and target.looks == 2, (took, target.looks)
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+def test_the_sweep_keeps_its_bound_without_a_10ms_poll() -> None:
+    """A member that cannot be proven (its start time is not the process's: a pid reused) is
+    never signalled; the sweep reports it unkillable at kill_timeout, having looked at the
+    target a few times with a growing pause, not every 10 ms (~100 looks in a second)."""
+    from omnid.process.termination import Termination
+
+    child = subprocess.Popen(["sleep", "1000"])
+    try:
+        real = linux.read_stat(child.pid).start_time
+        target = _Target(lambda: _survivor(child, start_time=real + 1))
+        term = Termination(target)  # type: ignore[arg-type]
+        t0 = time.monotonic()
+        left = asyncio.run(term.sweep(1.0))
+        took = time.monotonic() - t0
+        assert left and str(child.pid) in left[0], left
+        assert 1.0 <= took < 1.8, took
+        assert target.looks <= 15, target.looks
+        assert child.poll() is None  # never signalled: not proven
+    finally:
+        child.kill()
+        child.wait(10)

@@ -95,6 +95,7 @@ def left_active(d, name: str, pid: int) -> dict | None:
 
 
 # ------------------------------------------------------------------ pure parts
+@pytest.mark.fast
 def test_prometheus_text_sums_over_labels_with_escapes_nan_and_timestamps():
     text = (
         "# HELP c_total Tokens.\n# TYPE c_total counter\n"
@@ -114,6 +115,7 @@ def test_prometheus_text_sums_over_labels_with_escapes_nan_and_timestamps():
         promtext.sums("ok 1\nbad{a=\"1\" 2\n", ["ok"])
 
 
+@pytest.mark.fast
 def test_stall_rule_fails_only_a_busy_unit_whose_counter_does_not_move():
     rule = StallRule(Progress(metrics="http://127.0.0.1:1/metrics", counter="tok", busy=("run", "wait"),
                               stall_sec=10, interval=1))
@@ -322,6 +324,7 @@ def test_progress_catches_a_stopped_worker_behind_a_200_captures_kills_and_resta
           f"{interval}); restarted and active again after {back:.2f} s")
 
 
+@pytest.mark.fast
 def test_canary_watch_blames_only_an_accepted_unanswered_canary_with_a_flat_counter_and_live_metrics():
     """The canary's decision, pure: when it goes out, and when its end proves a hang."""
     w = CanaryWatch(stall_sec=10)

@@ -259,3 +259,40 @@ def test_the_sweep_keeps_its_bound_without_a_10ms_poll() -> None:
     finally:
         child.kill()
         child.wait(10)
+
+
+# --------------------------------------------------------------------------- status --verify and a reused group number
+def _inactive(name: str, pgid: int):
+    from types import SimpleNamespace
+
+    from omnid.core.lifecycle import UnitState
+
+    return SimpleNamespace(name=name, state=UnitState.INACTIVE, proc=None, last_pgid=pgid,
+                           output=SimpleNamespace(attached=False), busy=False)
+
+
+def test_verify_does_not_take_a_strangers_group_with_a_units_old_number_for_the_unit() -> None:
+    """An inactive unit whose last process group number now names a stranger's group (pid
+    reuse): not the unit's, not a violation. A group of that number below the spawner, in the
+    unit's session, is reported (so the check can still fail)."""
+    from omnid.core import invariants
+
+    # The "spawner": a shell whose child made a session of its own, as a unit's main process does.
+    spawner = subprocess.Popen(["sh", "-c", "setsid sleep 1000 & wait"])
+    stranger = subprocess.Popen(["sleep", "1000"], start_new_session=True)  # not below the spawner
+    try:
+        [member] = wait_for(lambda: linux.children_of(spawner.pid), 10, "the spawner's child")
+        wait_for(lambda: (st := linux.read_stat(member)) and st.sid == member and st.comm == "sleep", 10,
+                 "the child in a session of its own")
+        assert invariants.verify({"u": _inactive("u", stranger.pid)}, None, spawner_pid=spawner.pid) == []
+        [problem] = invariants.verify({"u": _inactive("u", member)}, None, spawner_pid=spawner.pid)
+        assert f"process group {member} is not empty" in problem, problem
+        # Below another unit's live main process: that unit's, not this one's.
+        assert invariants.verify({"u": _inactive("u", member)}, None, spawner_pid=spawner.pid,
+                                 mains={member}) == []
+    finally:
+        stranger.kill()
+        stranger.wait(10)
+        for pid in linux.children_of(spawner.pid):
+            os.kill(pid, signal.SIGKILL)
+        spawner.wait(10)

@@ -307,7 +307,8 @@ class Supervisor:
         self.publish({"ts": time.time(), "unit": rt.name, "pid": pid, "from": frm.value, "to": rt.state.value,
                       "reason": rt.reason})
         if self.check_invariants:
-            for problem in verify_unit(rt, self.cgroups, settled=True):
+            for problem in verify_unit(rt, self.cgroups, settled=True, spawner_pid=self.spawner.pid,
+                                       mains=self.by_pid):
                 self.invariant_violations.append(problem)
                 log.error("invariant violated", unit=rt.name, problem=problem)
         self.notify_changed()
@@ -336,7 +337,7 @@ class Supervisor:
             return predicate()
 
     def verify(self) -> list[str]:
-        return verify(self.units, self.cgroups)
+        return verify(self.units, self.cgroups, spawner_pid=self.spawner.pid, mains=self.by_pid)
 
     def snapshot(self) -> list[dict]:
         out = []

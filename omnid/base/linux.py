@@ -440,3 +440,73 @@ def mark_fds_non_inheritable(keep: tuple[int, ...] = (0, 1, 2)) -> None:
             os.set_inheritable(fd, False)
         except OSError:
             pass  # the fd of the listdir itself, already closed
+
+
+# -- a datagram's sender, named by the kernel (SO_PASSPIDFD / SCM_PIDFD, Linux 6.5) --------
+# Python's socket module may lack the names. The values are asm-generic's (socket.h: 76, and
+# linux/socket.h: 0x04), which x86_64, aarch64, riscv64, powerpc and s390 use; alpha, mips,
+# parisc and sparc number the option apart, so there an unnamed option is not tried.
+_GENERIC_SOCKET_H = ("x86_64", "aarch64", "riscv64", "ppc64le", "ppc64", "s390x", "i686", "armv7l")
+SO_PASSPIDFD: int | None = getattr(socket, "SO_PASSPIDFD", 76 if os.uname().machine in _GENERIC_SOCKET_H else None)
+SCM_PIDFD: int | None = getattr(socket, "SCM_PIDFD", 0x04 if SO_PASSPIDFD is not None else None)
+
+
+def pass_pidfd(sock: socket.socket) -> str | None:
+    """Ask the kernel to attach the sender's pidfd (SCM_PIDFD) to every message `sock`
+    receives. None when it will, else why not (for a log line: the caller falls back)."""
+    if SO_PASSPIDFD is None:
+        return f"SO_PASSPIDFD has no known number on {os.uname().machine}"
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_PASSPIDFD, 1)
+    except OSError as exc:  # ENOPROTOOPT before Linux 6.5
+        return f"SO_PASSPIDFD refused: {os.strerror(exc.errno or 0)}"
+    return None
+
+
+def pidfd_pid(pidfd: int) -> int | None:
+    """The pid, in our namespace, of the process a pidfd refers to; None once it is reaped
+    (the kernel says -1), outside our namespace (0) or unreadable. Reads our own fdinfo:
+    no lock of the other process is taken."""
+    try:
+        with open(f"/proc/self/fdinfo/{pidfd}", "rb") as f:
+            for line in f.read().splitlines():
+                if line.startswith(b"Pid:"):
+                    pid = int(line.split()[1])
+                    return pid if pid > 0 else None
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+_pidfd_inodes_unique: bool | None = None
+
+
+def pidfd_inodes_unique() -> bool:
+    """Does a pidfd's inode name one process (pidfs, Linux 6.9: one inode per process for the
+    system's life), so that two pidfds with one inode are one process, even after it is
+    reaped? Before pidfs every pidfd shared the one anonymous inode with eventfds."""
+    global _pidfd_inodes_unique
+    if _pidfd_inodes_unique is None:
+        pidfd, efd = os.pidfd_open(os.getpid()), os.eventfd(0)
+        try:
+            _pidfd_inodes_unique = os.fstat(pidfd).st_ino != os.fstat(efd).st_ino
+        finally:
+            os.close(pidfd)
+            os.close(efd)
+    return _pidfd_inodes_unique
+
+
+def same_process(pidfd_a: int, pidfd_b: int) -> bool:
+    """Do two pidfds refer to one process (alive, dead or reaped)? False where the kernel
+    cannot tell (no pidfs) or a pidfd is closed."""
+    if not pidfd_inodes_unique():
+        return False
+    try:
+        return os.fstat(pidfd_a).st_ino == os.fstat(pidfd_b).st_ino
+    except OSError:
+        return False
+
+
+def pidfd_inode(pidfd: int) -> int:
+    """The pidfd's inode: under pidfs, one number per process for the system's life."""
+    return os.fstat(pidfd).st_ino

@@ -32,6 +32,10 @@ from omnid.model.unitmodel import Canary, Progress
 log = structlog.get_logger("omnid.supervisor")
 
 SCRAPE_MAX_BYTES = 8 << 20  # a metrics page bigger than this is a failed scrape
+# A page over this is parsed on a worker thread: promtext.sums reads ~6 MB/s on the project's
+# 2-core VM, so a page at the cap held the loop (every death it sees) for ~1.5 s. A vLLM page
+# is ~20-200 KB: parsed on the loop in 1-30 ms, no thread hop.
+PARSE_ON_LOOP_MAX = 256 << 10
 SCRAPE_TIMEOUT_MAX_S = 5.0
 
 
@@ -129,20 +133,36 @@ async def ask(canary: Canary, timeout: float) -> str | None:
         return str(exc) if connected else None
     except probes.ProbeFailed as exc:
         log.info("progress: canary not answered; nothing judged", url=canary.url, error=str(exc))
+    except Exception as exc:  # noqa: BLE001 - the canary's task must end with a verdict, never raise
+        log.warning("progress: canary failed in omnid; nothing judged", url=canary.url,
+                    error=f"{type(exc).__name__}: {exc}")
     return None
 
 
 async def scrape(rule: Progress) -> tuple[float | None, dict[str, float | None]]:
-    """One read of the metrics page: (counter, busy gauges). ProbeFailed says why not."""
+    """One read of the metrics page: (counter, busy gauges). ProbeFailed says why not; nothing
+    else leaves it, whatever the page holds."""
     timeout = min(rule.interval, SCRAPE_TIMEOUT_MAX_S)
     answer = await probes.http_request(rule.metrics, timeout, read_body=SCRAPE_MAX_BYTES, body_exact=True)
     if not 200 <= answer.status < 300:
         raise probes.ProbeFailed(f"GET {rule.metrics} answered {answer.status}")
+    names = (rule.counter, *rule.busy)
     try:
-        got = promtext.sums(answer.body.decode("utf-8", "replace"), (rule.counter, *rule.busy))
+        if len(answer.body) <= PARSE_ON_LOOP_MAX:
+            got = _sums(answer.body, names)
+        else:
+            got = await asyncio.get_running_loop().run_in_executor(None, _sums, answer.body, names)
     except promtext.MalformedExposition as exc:
         raise probes.ProbeFailed(f"GET {rule.metrics}: not Prometheus text: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a gap in the page's reader fails this scrape, not the monitor
+        log.warning("progress: a metrics page the reader has no words for; a failed scrape", url=rule.metrics,
+                    error=f"{type(exc).__name__}: {exc}")
+        raise probes.ProbeFailed(f"GET {rule.metrics}: unreadable page ({type(exc).__name__}: {exc})") from None
     return got[rule.counter], {b: got[b] for b in rule.busy}
+
+
+def _sums(body: bytes, names: tuple[str, ...]) -> dict[str, float | None]:
+    return promtext.sums(body.decode("utf-8", "replace"), names)
 
 
 async def watch(sup: Centre, rt: UnitRuntime) -> None:
@@ -159,8 +179,9 @@ async def watch(sup: Centre, rt: UnitRuntime) -> None:
             await asyncio.sleep(rule.interval)
             try:
                 counter, busy = await scrape(rule)
-            except probes.ProbeFailed as exc:
-                why = str(exc)
+            except Exception as exc:  # noqa: BLE001 - ProbeFailed, or any gap: a failed scrape, never a dead monitor
+                why = (str(exc) if isinstance(exc, probes.ProbeFailed)
+                       else f"GET {rule.metrics}: {type(exc).__name__}: {exc}")
                 if failing != why:
                     log.warning("progress: metrics scrape failed", unit=rt.name, error=why, busy=state.busy_now())
                     failing = why

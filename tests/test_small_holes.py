@@ -296,3 +296,103 @@ def test_verify_does_not_take_a_strangers_group_with_a_units_old_number_for_the_
         for pid in linux.children_of(spawner.pid):
             os.kill(pid, signal.SIGKILL)
         spawner.wait(10)
+
+
+# --------------------------------------------------------------------------- a Unix socket's directory and file
+NOBODY = 65534
+
+
+def _socket_unit(tmp_path: Path, path: Path, user: str | None = None):
+    from omnid.model.unitmodel import ListenSocket, Unit
+
+    return Unit(name="web", template="web", instance=0, instances=1, file=tmp_path / "web.toml", exec=("true",),
+                user=user, sockets=(ListenSocket(listen=str(path), name="ctl", mode=0o660),))
+
+
+def test_a_unix_socket_in_a_directory_another_user_can_write_is_refused_naming_unit_key_and_path(tmp_path) -> None:
+    from omnid.process.sockets import BindError, HeldSockets, probe
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chown(shared, NOBODY, NOBODY)  # another user's directory: they could put a link there
+    path = shared / "web.sock"
+    held = HeldSockets()
+    try:
+        with pytest.raises(BindError) as err:
+            held.fds_for(_socket_unit(tmp_path, path))
+    finally:
+        held.close_all()
+    msg = str(err.value)
+    assert "unit web" in msg and "sockets[0]" in msg and str(path) in msg and "owned by nobody" in msg, msg
+    assert not path.exists()
+    [(index, why)] = probe(_socket_unit(tmp_path, path))  # omnid check says the same
+    assert index == 0 and "owned by nobody" in why, why
+
+
+def test_a_symlink_raced_into_a_unix_sockets_place_is_never_followed(tmp_path) -> None:
+    """Another user swaps the socket's name for a link to a file of root's, as fast as they can,
+    while the daemon binds (a directory of theirs, sticky or not): the bind is refused each
+    time, and the file the link points at keeps its mode and owner."""
+    from omnid.process.sockets import BindError, HeldSockets
+
+    victim = tmp_path / "victim"
+    victim.write_text("root's\n")
+    victim.chmod(0o644)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o1777)
+    shared.chmod(0o1777)
+    os.chown(shared, NOBODY, NOBODY)
+    path = shared / "web.sock"
+    stop = threading.Event()
+
+    def attacker() -> None:
+        while not stop.is_set():
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            try:
+                os.symlink(victim, path)
+            except OSError:
+                pass
+
+    t = threading.Thread(target=attacker)
+    t.start()
+    refused = 0
+    try:
+        for _ in range(50):
+            held = HeldSockets()
+            try:
+                held.fds_for(_socket_unit(tmp_path, path))
+            except BindError as exc:
+                refused += "owned by nobody" in str(exc)
+            finally:
+                held.close_all()
+    finally:
+        stop.set()
+        t.join(10)
+    st = victim.stat()
+    assert (st.st_mode & 0o7777, st.st_uid) == (0o644, 0), (oct(st.st_mode), st.st_uid)
+    assert refused == 50, refused
+
+
+def test_a_unix_socket_gets_its_mode_and_owner_without_a_process_wide_umask(tmp_path, monkeypatch) -> None:
+    """The daemon has threads: os.umask changes every thread's mask, so a file another thread
+    makes meanwhile would get the wrong mode. The socket's mode is set on the socket before the
+    bind instead; the file ends with exactly its mode and the unit's user, whatever the umask."""
+    from omnid.process.sockets import HeldSockets
+
+    calls: list[int] = []
+    real = os.umask
+    monkeypatch.setattr(os, "umask", lambda m: calls.append(m) or real(m))
+    path = tmp_path / "web.sock"
+    old = real(0o077)  # narrower than the socket's 0660: set exactly all the same
+    held = HeldSockets()
+    try:
+        held.fds_for(_socket_unit(tmp_path, path, user="nobody"))
+        st = os.lstat(path)
+        assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o660, NOBODY, NOBODY), (oct(st.st_mode), st.st_uid)
+    finally:
+        held.close_all()
+        real(old)
+    assert calls == [], f"os.umask called during the bind: {calls}"

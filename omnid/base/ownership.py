@@ -182,6 +182,43 @@ def check_directory(path: str | Path, what: str) -> str | None:
         os.close(fd)
 
 
+def open_directory(path: str | Path, what: str) -> tuple[int, str]:
+    """(an fd of the directory `path`, its real path), after the walk of open_checked: resolved
+    once, walked from / with O_NOFOLLOW, every directory up to it and itself checked on its
+    open fd (owner trusted, writable by no one else, or sticky as /tmp: there no other user
+    can rename or remove what we put in it). The caller closes the fd. UnsafePath names the
+    directory and why."""
+    trusted = trusted_uids()
+    real = os.path.realpath(path)
+    fd = os.open("/", os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
+    here = "/"
+    try:
+        for part in [p for p in real.split("/") if p] + [None]:
+            st = os.fstat(fd)
+            problem = _dir_problem(st, trusted)
+            if problem:
+                where = "it" if part is None else f"its directory {here}"
+                raise UnsafePath(f"refusing {what} {real}: {where} is {problem} (owner {owner_name(st.st_uid)}, mode "
+                                 f"{stat.S_IMODE(st.st_mode):04o}); it and every directory above it must be owned "
+                                 f"by {' or '.join(owner_name(u) for u in trusted)} and writable by no one else "
+                                 "(or sticky, as /tmp)")
+            if part is None:
+                return fd, real
+            here = os.path.join(here, part)
+            try:
+                nfd = os.open(part, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_DIRECTORY, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise UnsafePath(f"refusing {what} {real}: {here} is a symlink; expected a real directory") from None
+                raise UnsafePath(f"{what} {real}: cannot open {here} ({exc.strerror})") from None
+            os.close(fd)
+            fd = nfd
+        raise AssertionError("unreachable")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_unit_file(path: str | Path, limit: int) -> bytes:
     """A unit file's bytes (at most `limit`). A root daemon runs what it says: read_checked
     (O_NOFOLLOW, every directory up to / and the file checked on their open fds, the bytes

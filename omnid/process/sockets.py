@@ -11,6 +11,15 @@ connects while the unit restarts waits in the socket's backlog instead of being 
 Every bind error is a sentence naming the unit, the key and the address (address in use,
 permission), never a traceback: at the unit's start (its failure reason) and in `omnid
 check` (`probe`).
+
+A Unix socket's file is made by root in a directory the unit's file names, so the directory is
+checked first (omnid.base.ownership.open_directory: it and every directory above it owned by
+root, writable by no one else, or sticky): where another user could write, they could put a
+link where the file's mode and owner are then set. The mode is set on the socket before the
+bind, so the file is never made wider than asked (the umask can only narrow it; no
+process-wide umask change: the daemon has threads), and then set exactly, with the owner,
+through an O_PATH fd of the name opened without following a link and checked to be a socket
+we made.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from omnid.base import ownership
 from omnid.model.unitmodel import ListenSocket, Unit
 from omnid.model.units import parse_host_port
 
@@ -101,10 +111,17 @@ def _unlink_stale(path: str, remove: bool = True) -> None:
 
 
 def bind(spec: ListenSocket, owner: tuple[int, int] = (-1, -1)) -> socket.socket:
-    """A listening, non-blocking, close-on-exec socket for `spec`; OSError from the kernel."""
+    """A listening, non-blocking, close-on-exec socket for `spec`; OSError from the kernel,
+    ownership.UnsafePath for a Unix socket's directory that another user could write."""
     if spec.unix:
-        _unlink_stale(spec.listen)
-        return _listening(socket.AF_UNIX, lambda sock: _bind_unix(sock, spec, owner), spec.backlog)
+        dfd, where = ownership.open_directory(os.path.dirname(spec.listen), "the socket's directory")
+        try:
+            path = os.path.join(where, os.path.basename(spec.listen))  # the checked directory, no link
+            _unlink_stale(path)
+            return _listening(socket.AF_UNIX, lambda sock: _bind_unix(sock, path, dfd, spec.mode, owner),
+                              spec.backlog)
+        finally:
+            os.close(dfd)
     host, port = parse_host_port(spec.listen)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
@@ -119,16 +136,24 @@ def bind(spec: ListenSocket, owner: tuple[int, int] = (-1, -1)) -> socket.socket
     return _listening(family, bind_inet, spec.backlog)
 
 
-def _bind_unix(sock: socket.socket, spec: ListenSocket, owner: tuple[int, int]) -> None:
-    # umask 0o777 for the bind (no window with a wider mode), the mode set exactly after it.
-    old = os.umask(0o777)
+def _bind_unix(sock: socket.socket, path: str, dfd: int, mode: int, owner: tuple[int, int]) -> None:
+    """Bind `path` (in the checked directory `dfd`) with exactly `mode` and `owner`."""
+    # The kernel makes the file with the socket's own mode less the umask: never wider than
+    # `mode`, whatever the umask, and without changing it for the daemon's other threads.
+    os.fchmod(sock.fileno(), mode)
+    sock.bind(path)
+    fd = os.open(os.path.basename(path), os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
     try:
-        sock.bind(spec.listen)
+        st = os.fstat(fd)
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+            raise OSError(errno.EEXIST, "the socket's file was replaced right after the bind")
+        # fchmod/fchown refuse an O_PATH fd; through /proc/self/fd they act on its inode (the
+        # socket just checked), never on where a link points.
+        os.chmod(f"/proc/self/fd/{fd}", mode)
+        if owner != (-1, -1):
+            os.chown(f"/proc/self/fd/{fd}", *owner)
     finally:
-        os.umask(old)
-    os.chmod(spec.listen, spec.mode)
-    if owner != (-1, -1):
-        os.chown(spec.listen, *owner)
+        os.close(fd)
 
 
 def _listening(family: int, bind_it: Callable[[socket.socket], None], backlog: int) -> socket.socket:
@@ -144,8 +169,10 @@ def _listening(family: int, bind_it: Callable[[socket.socket], None], backlog: i
     return sock
 
 
-def describe(unit: Unit, index: int, exc: OSError) -> str:
+def describe(unit: Unit, index: int, exc: OSError | ownership.UnsafePath) -> str:
     spec = unit.sockets[index]
+    if isinstance(exc, ownership.UnsafePath):
+        return f"unit {unit.name}, sockets[{index}]: will not listen on {spec.listen}: {exc}"
     return f"sockets[{index}]: cannot listen on {spec.listen}: {_why(exc)}"
 
 
@@ -175,7 +202,7 @@ class HeldSockets:
                             self._close(unit.name, by_key.pop(k))
                     try:
                         want.sock = bind(spec, want.owner)
-                    except OSError as exc:
+                    except (OSError, ownership.UnsafePath) as exc:
                         raise BindError(describe(unit, i, exc)) from None
                     log.info("listening for a unit", unit=unit.name, listen=spec.listen, fd=want.sock.fileno())
                     h = want
@@ -262,6 +289,9 @@ def probe(unit: Unit) -> list[tuple[int, str]]:
                 _unlink_stale(spec.listen, remove=False)  # raises on a live one or a non-socket
                 continue  # a leftover: the daemon removes it and binds at start
             sock = bind(spec)
+        except ownership.UnsafePath as exc:
+            problems.append((i, f"will not listen on {spec.listen}: {exc}"))
+            continue
         except OSError as exc:
             problems.append((i, f"cannot listen on {spec.listen}: {_why(exc)}"))
             continue

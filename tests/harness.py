@@ -60,7 +60,7 @@ def cgroup2_for_tests() -> tuple[str | None, str]:
     """(a cgroup v2 mount where the tests can make cgroups, "") or (None, what is missing):
     root, a cgroup2 mount, and that mount and its cgroup.procs writable. The one condition
     every cgroup test skips on, so that they agree on a host."""
-    from omnid.process.cgroup import cgroup2_mounts
+    from omnid.process.cgroupfs import cgroup2_mounts
 
     if os.geteuid() != 0:
         return None, "needs root to create cgroups"
@@ -165,13 +165,13 @@ def remove_cgroup_tree(path: str | None, timeout: float = 10.0) -> None:
     populated 0, rmdir bottom-up. Fails loudly when it cannot."""
     if not path or not os.path.isdir(path):
         return
-    from omnid.process import cgroup as cgm
+    from omnid.process import cgroupfs
 
     for dirpath, _d, _f in os.walk(path, topdown=False):
-        if dirpath != path and cgm.populated(dirpath):
-            cgm._write(os.path.join(dirpath, "cgroup.kill"), "1")
-    wait_for(lambda: not cgm.populated(path), timeout, f"cgroup {path} to empty")
-    assert cgm._rmtree(path), f"could not remove cgroup root {path}: {os.listdir(path)}"
+        if dirpath != path and cgroupfs.populated(dirpath):
+            cgroupfs.kill(dirpath)
+    wait_for(lambda: not cgroupfs.populated(path), timeout, f"cgroup {path} to empty")
+    assert cgroupfs.remove_tree(path), f"could not remove cgroup root {path}: {os.listdir(path)}"
 
 
 def py_stacks(pid: int) -> str:

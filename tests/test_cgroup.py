@@ -15,10 +15,12 @@ import uuid
 
 import pytest
 
-from omnid.process import cgroup as cgm
+from omnid.process import cgroupfs
+from omnid.process.cgroupdiscovery import CgroupError, validate
+from omnid.process.cgrouproot import CgroupRoot
 from tests.harness import Daemon, cgroup2_for_tests, make_stack, remove_cgroup_tree, wait_for
 
-MOUNTS = cgm.cgroup2_mounts()
+MOUNTS = cgroupfs.cgroup2_mounts()
 MOUNT, _MISSING = cgroup2_for_tests()
 needs_cgroup2 = pytest.mark.skipif(MOUNT is None, reason=_MISSING)
 
@@ -54,24 +56,45 @@ os.execve("/usr/bin/env", ["env", "-i", "/bin/sh", "-c", "echo $$ > %s; exec sle
 
 
 def test_escape_names_every_unit_name_as_one_directory():
-    assert cgm.escape("worker@1") == "worker@1"
-    assert cgm.escape("a/b") == "a\\x2fb"
-    assert cgm.escape("cgroup.procs") == "_cgroup.procs"
-    assert cgm.escape("daemon") == "_daemon"
-    assert "/" not in cgm.escape("../x")
+    assert cgroupfs.escape("worker@1") == "worker@1"
+    assert cgroupfs.escape("a/b") == "a\\x2fb"
+    assert cgroupfs.escape("cgroup.procs") == "_cgroup.procs"
+    assert cgroupfs.escape("daemon") == "_daemon"
+    assert "/" not in cgroupfs.escape("../x")
 
 
 @needs_cgroup2
 def test_validate_rejects_a_directory_outside_cgroup2_naming_it(tmp_path):
-    with pytest.raises(cgm.CgroupError, match=str(tmp_path)):
-        cgm.validate(str(tmp_path))
-    with pytest.raises(cgm.CgroupError, match="absolute"):
-        cgm.validate("relative/dir")
+    with pytest.raises(CgroupError, match=str(tmp_path)):
+        validate(str(tmp_path))
+    with pytest.raises(CgroupError, match="absolute"):
+        validate("relative/dir")
+
+
+@needs_cgroup2
+def test_pid_in_cgroup_says_member_for_the_cgroup_and_below_and_not_for_a_sibling(cg_root):
+    """The membership proof the kill targets ask before a signal: the kernel's /proc/PID/cgroup."""
+    unit, sibling = os.path.join(cg_root, "u"), os.path.join(cg_root, "u2")  # "u" is a prefix of "u2"
+    for d in (unit, os.path.join(unit, "sub"), sibling):
+        os.mkdir(d)
+    inner = _spawn_into(os.path.join(unit, "sub"), ["sleep", "300"])
+    beside = _spawn_into(sibling, ["sleep", "300"])
+    try:
+        name = cgroupfs.proc_name(unit)
+        assert name.endswith("/u") and not name.startswith(MOUNT + "/"), name
+        seen = {"in a sub-cgroup": cgroupfs.pid_in_cgroup(inner.pid, name),
+                "in the sibling u2": cgroupfs.pid_in_cgroup(beside.pid, name),
+                "this test": cgroupfs.pid_in_cgroup(os.getpid(), name)}
+        assert seen == {"in a sub-cgroup": True, "in the sibling u2": False, "this test": False}, seen
+    finally:
+        for p in (inner, beside):
+            p.kill()
+            p.wait(5)
 
 
 @needs_cgroup2
 def test_unit_cgroup_kill_reaches_an_escaped_grandchild_and_emptiness_is_an_event(cg_root, tmp_path):
-    root = cgm.CgroupRoot(cg_root, "test")
+    root = CgroupRoot(cg_root, "test")
     try:
         cg = root.create("esc@1")
         pidfile = tmp_path / "gc.pid"
@@ -100,7 +123,7 @@ def test_unit_cgroup_kill_reaches_an_escaped_grandchild_and_emptiness_is_an_even
 
 @needs_cgroup2
 def test_wait_empty_wakes_on_the_inotify_event_not_at_the_deadline(cg_root):
-    root = cgm.CgroupRoot(cg_root, "test")
+    root = CgroupRoot(cg_root, "test")
     try:
         cg = root.create("w")
         p = _spawn_into(cg.path, ["sleep", "300"])
@@ -127,7 +150,7 @@ def test_stale_cgroups_of_a_previous_daemon_are_killed_and_removed(cg_root):
     os.mkdir(stale)
     os.mkdir(os.path.join(stale, "sub"))
     p = _spawn_into(os.path.join(stale, "sub"), ["sleep", "300"])
-    root = cgm.CgroupRoot(cg_root, "test")
+    root = CgroupRoot(cg_root, "test")
     try:
         assert root.stale() == [stale]
         assert root.clean_stale() == []
@@ -140,7 +163,7 @@ def test_stale_cgroups_of_a_previous_daemon_are_killed_and_removed(cg_root):
 
 @needs_cgroup2
 def test_figures_only_from_files_that_exist(cg_root):
-    root = cgm.CgroupRoot(cg_root, "test")
+    root = CgroupRoot(cg_root, "test")
     try:
         cg = root.create("f")
         figs = cg.figures()
@@ -155,7 +178,7 @@ def test_figures_only_from_files_that_exist(cg_root):
 
 @needs_cgroup2
 def test_memory_max_is_rejected_naming_the_key_when_the_controller_is_absent(cg_root):
-    root = cgm.CgroupRoot(cg_root, "test")
+    root = CgroupRoot(cg_root, "test")
     try:
         errs = root.check_keys("big", {"memory_max": 1 << 30, "tasks_max": 10})
         for key, ctl in (("memory_max", "memory"), ("tasks_max", "pids")):
@@ -234,7 +257,7 @@ def test_escaped_grandchild_dies_with_omnid_stop_under_cgroups(daemon_factory, t
     d.wait_state("esc", "active")
     gc = Grandchild(pf)
     try:
-        assert gc.pid in cgm.procs(os.path.join(cg_root, "esc")), _why(d)
+        assert gc.pid in cgroupfs.procs(os.path.join(cg_root, "esc")), _why(d)
         d.ok("stop", {"units": ["esc"]})
         wait_for(lambda: not gc.alive(), 5, f"escaped grandchild {gc.pid} to die with stop\n{_why(d)}")
         wait_for(lambda: not os.path.exists(os.path.join(cg_root, "esc")), 5, "the unit's cgroup to be removed")
@@ -280,7 +303,7 @@ def test_256_units_one_cgroup_each_and_no_directory_left(daemon_factory, cg_root
     dirs = sorted(n for n in os.listdir(cg_root) if os.path.isdir(os.path.join(cg_root, n)))
     assert dirs == sorted(units), f"{len(dirs)} cgroups"
     for n in dirs:
-        assert len(cgm.procs(os.path.join(cg_root, n))) == 1, n
+        assert len(cgroupfs.procs(os.path.join(cg_root, n))) == 1, n
     d.ok("stop", {"units": list(units)}, timeout=120)
     left = [n for n in os.listdir(cg_root) if os.path.isdir(os.path.join(cg_root, n))]
     assert left == [], f"cgroup directories left: {left[:10]}"
@@ -409,7 +432,7 @@ def test_memory_max_and_tasks_max_follow_the_controllers_of_the_root(cg_root):
 def test_cgroup_figures_in_status_units_and_metrics(daemon_factory, cg_root):
     d = daemon_factory({"a": 'exec = ["python3", "-c", "sum(range(10**6)); import time; time.sleep(300)"]\n'})
     d.wait_state("a", "active")
-    files = cgm.figures(os.path.join(cg_root, "a"))
+    files = cgroupfs.figures(os.path.join(cg_root, "a"))
     assert "cpu_usage_usec" in files  # cpu.stat is a core cgroup v2 file
     st = d.unit("a")
     assert set(st["cgroup_figures"]) == set(files), (st, files)
@@ -436,10 +459,10 @@ def test_under_systemd_delegation_the_daemon_moves_into_a_daemon_leaf_and_units_
         d.wait_state("a", "active")
         st = d.ok("status")["daemon"]
         assert st["backend"] == "cgroup" and st["cgroup"] == cg_root, d.log()[-2000:]
-        leaf = cgm.procs(os.path.join(cg_root, "daemon"))
+        leaf = cgroupfs.procs(os.path.join(cg_root, "daemon"))
         assert d.pid in leaf and st["spawner_pid"] in leaf, leaf
-        assert cgm.procs(cg_root) == []  # no process in the inner cgroup
-        assert cgm.procs(os.path.join(cg_root, "a")) == [d.unit("a")["pid"]]
+        assert cgroupfs.procs(cg_root) == []  # no process in the inner cgroup
+        assert cgroupfs.procs(os.path.join(cg_root, "a")) == [d.unit("a")["pid"]]
     finally:
         d.close()
     wait_for(lambda: not os.path.exists(os.path.join(cg_root, "a")), 5, "the unit's cgroup removed")

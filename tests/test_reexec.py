@@ -310,7 +310,7 @@ def test_reexec_keeps_worker_groups_and_user_units(daemon_factory):
 
 @pytest.mark.skipif(CGROUP2 is None, reason=CGROUP2_MISSING)
 def test_reexec_under_the_cgroup_backend_keeps_each_units_cgroup(daemon_factory):
-    from omnid.process import cgroup as cgm
+    from omnid.process import cgroupfs
 
     root = os.path.join(CGROUP2, f"omnid-rx-{os.getpid()}-{time.monotonic_ns()}")
     d = daemon_factory(make_stack({"a": SLEEP, "b": SLEEP}), cgroup_root=root)
@@ -324,7 +324,7 @@ def test_reexec_under_the_cgroup_backend_keeps_each_units_cgroup(daemon_factory)
         assert Path(f"/proc/{pid}/cgroup").read_text().strip().endswith("/a"), Path(f"/proc/{pid}/cgroup").read_text()
         os.kill(pid, signal.SIGKILL)  # the daemon's own unit
         wait_for(lambda: d.unit("a")["state"] == "failed", 10, "a failed after the re-exec")
-        assert not cgm.populated(os.path.join(root, "a"))
+        assert not cgroupfs.populated(os.path.join(root, "a"))
     finally:
         d.close()
         from tests.harness import remove_cgroup_tree

@@ -396,3 +396,36 @@ def test_a_unix_socket_gets_its_mode_and_owner_without_a_process_wide_umask(tmp_
         held.close_all()
         real(old)
     assert calls == [], f"os.umask called during the bind: {calls}"
+
+
+# --------------------------------------------------------------------------- users and groups: asked once, off the loop
+def test_a_spawn_as_another_user_asks_nss_nothing_on_the_loop(monkeypatch, tmp_path) -> None:
+    """NSS may be LDAP and hang: a unit's user and group are resolved when the stack is read,
+    and its spawns (the socket file's owner, the spawner's switch) read that answer. The unit
+    runs as nobody, its socket file is nobody's, and no lookup ran on the event loop."""
+    import grp
+    import pwd
+
+    from tests import insup
+
+    sock = tmp_path / "u.sock"
+    unit = SLEEP + f'user = "nobody"\nsockets = [{{ listen = "{sock}", name = "ctl" }}]\n'
+    asked: list[str] = []
+
+    async def body(sup) -> None:
+        loop_thread = threading.current_thread()
+        for mod, name in ((pwd, "getpwnam"), (grp, "getgrnam"), (os, "getgrouplist"), (os, "initgroups")):
+            real = getattr(mod, name)
+            monkeypatch.setattr(mod, name, lambda *a, _n=name, _r=real: (
+                asked.append(f"{_n}{a}") if threading.current_thread() is loop_thread else None) or _r(*a))
+        rt = sup.units["u"]
+        await insup.until(lambda: rt.state.value == "active" and rt.proc is not None, 10, "u active", sup)
+        status = Path(f"/proc/{rt.proc.pid}/status").read_text()
+        uid = next(line.split()[1] for line in status.splitlines() if line.startswith("Uid:"))
+        try:
+            assert uid == str(NOBODY) and os.lstat(sock).st_uid == NOBODY, (uid, os.lstat(sock))
+            assert asked == [], f"NSS lookups on the loop at the spawn: {asked}"
+        finally:
+            sup.sockets.close_all()  # insup's supervisor has no daemon to close them
+
+    insup.run({"u": unit}, body)

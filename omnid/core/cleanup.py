@@ -22,14 +22,13 @@ go). An entry held for longer, by a consumer that outlives the unit, is kept and
 from __future__ import annotations
 
 import asyncio
-import grp
 import os
-import pwd
 import time
 from typing import Any
 
 import structlog
 
+from omnid.model import accounts
 from omnid.process import ipc
 from omnid.process import privatetmp
 from omnid.base.ownthreads import Busy, OwnThreads
@@ -50,14 +49,12 @@ class CannotPrepare(Exception):
 
 
 def unit_ids(spec: Any) -> tuple[int | None, int | None]:
-    """The uid and gid the unit runs as (None: the daemon's own). KeyError: no such user/group."""
-    uid = gid = None
-    if spec.user:
-        pw = pwd.getpwnam(spec.user)
-        uid, gid = pw.pw_uid, pw.pw_gid
-    if spec.group:
-        gid = grp.getgrnam(spec.group).gr_gid
-    return uid, gid
+    """The uid and gid the unit runs as (None: the daemon's own), as resolved when the stack
+    was read (omnid.model.accounts: no NSS lookup on the loop). KeyError: no such user/group."""
+    account = accounts.of(spec.user, spec.group)
+    if account.error:
+        raise KeyError(account.error)
+    return (account.uid if account.uid >= 0 else None), (account.gid if account.gid >= 0 else None)
 
 
 class UnitCleanup:

@@ -23,6 +23,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from omnid.base.ownership import check_directory, check_unit_path
+from omnid.model import accounts
 from omnid.model.stackgraph import declared_dependencies, expand_unit, instance_names, check_socket_clashes, start_tiers, worker_groups
 from omnid.model.unitfile import Template, parse_settings, parse_unit_file, read_toml
 from omnid.model.unitmodel import DaemonSettings, SETTINGS_FILE, Stack, StackInvalid, Unit, UnitFileError, UNIT_NAME
@@ -50,6 +51,8 @@ def load_stack(directory: str | PathLike[str], sources: Mapping[str, bytes] | No
     if errors:
         raise StackInvalid(errors)
     assert stack is not None
+    # Users and groups asked of NSS here, where the stack is read (never on the event loop).
+    accounts.resolve_all((u.user, u.group) for u in stack.units.values())
     return stack
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import structlog
 
 from omnid.base import ownership
+from omnid.model import accounts
 from omnid.model.unitmodel import ListenSocket, Unit
 from omnid.model.units import parse_host_port
 
@@ -59,20 +60,11 @@ class Held:
 
 
 def _owner(unit: Unit) -> tuple[int, int]:
-    """The uid/gid a unit's Unix socket file gets: the unit's user and group (it runs as them)."""
-    import grp
-    import pwd
-
-    uid = gid = -1
-    try:
-        if unit.user:
-            pw = pwd.getpwnam(unit.user)
-            uid, gid = pw.pw_uid, pw.pw_gid
-        if unit.group:
-            gid = grp.getgrnam(unit.group).gr_gid
-    except KeyError:
-        pass  # the spawn names the unknown user or group
-    return uid, gid
+    """The uid/gid a unit's Unix socket file gets: the unit's user and group (it runs as them),
+    as resolved when the stack was read (omnid.model.accounts: no NSS lookup here, on the loop).
+    An unknown user or group: (-1, -1), the spawn names it."""
+    account = accounts.of(unit.user, unit.group)
+    return (account.uid, account.gid) if not account.error else (-1, -1)
 
 
 def _why(exc: OSError) -> str:

@@ -30,6 +30,10 @@ except ImportError:  # not compiled on this host: only the Python path runs
     _spawnc = None
 
 
+class _Failed(Exception):
+    """A step's failure whose words were written before the fork (the resolved ids' error)."""
+
+
 def setup_and_exec(req: dict, out_fd: int, errout_fd: int, err_w: int, spawner_pid: int,
                    reset_signals: tuple[int, ...] = (), devnull: int = -1,
                    placement: tuple | None = None, listen: list[int] | tuple[int, ...] = ()) -> None:
@@ -90,16 +94,30 @@ def setup_and_exec(req: dict, out_fd: int, errout_fd: int, err_w: int, spawner_p
         if req.get("cwd"):
             stage = f"chdir {req['cwd']!r}"
             os.chdir(req["cwd"])
-        if req.get("group"):
-            stage = f"group {req['group']!r}"
-            os.setgid(grp.getgrnam(req["group"]).gr_gid)
-        if req.get("user"):
-            stage = f"user {req['user']!r}"
-            pw = pwd.getpwnam(req["user"])
-            if not req.get("group"):
-                os.setgid(pw.pw_gid)
-            os.initgroups(pw.pw_name, os.getgid())
-            os.setuid(pw.pw_uid)
+        ids = req.get("ids")
+        if ids is not None:  # resolved by the daemon when it read the stack (the same as the compiled path)
+            if ids["error"]:
+                stage, why = ids["error"].split(" failed: ", 1)
+                raise _Failed(why)
+            if req.get("group"):
+                stage = f"group {req['group']!r}"
+                os.setgid(ids["gid"])
+            if req.get("user"):
+                stage = f"user {req['user']!r}"
+                os.setgid(ids["gid"])
+                os.setgroups(ids["groups"])
+                os.setuid(ids["uid"])
+        else:
+            if req.get("group"):
+                stage = f"group {req['group']!r}"
+                os.setgid(grp.getgrnam(req["group"]).gr_gid)
+            if req.get("user"):
+                stage = f"user {req['user']!r}"
+                pw = pwd.getpwnam(req["user"])
+                if not req.get("group"):
+                    os.setgid(pw.pw_gid)
+                os.initgroups(pw.pw_name, os.getgid())
+                os.setuid(pw.pw_uid)
         if req.get("user") or req.get("group"):
             # The kernel clears PDEATHSIG when credentials change: arm it again now,
             # then make sure the spawner did not die in between (issue #9).

@@ -64,7 +64,12 @@ def compiled_args(req: dict, out_fd: int, errout_fd: int, devnull: int, spawner_
     cpus, mode, mask, maxnode = placement if placement is not None else ((), 0, None, 0)
     gid = uid = -1
     groups = None
-    if req.get("group"):
+    ids = req.get("ids")
+    if ids is not None:  # resolved by the daemon when it read the stack: no NSS lookup here
+        if ids["error"]:
+            raise Refused(ids["error"])
+        uid, gid, groups = ids["uid"], ids["gid"], ids["groups"]
+    elif req.get("group"):
         try:
             gid = grp.getgrnam(req["group"]).gr_gid
         except KeyError as exc:

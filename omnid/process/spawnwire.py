@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from omnid.model import accounts
 from omnid.process.numa import Placement
 
 MAX_MESSAGE = 1 << 20
@@ -47,7 +48,16 @@ def spawn_wire(rid: int, req: SpawnRequest) -> dict:
     return {"op": "spawn", "id": rid, "unit": req.unit, "argv": list(req.argv), "env": req.env, "cwd": req.cwd,
             "user": req.user, "group": req.group, "rlimits": [list(r) for r in req.rlimits], "cgroup": req.cgroup,
             "placement": req.placement.to_wire() if req.placement is not None else None, "path": req.path,
-            "nlisten": len(req.listen_fds)}
+            "nlisten": len(req.listen_fds), "ids": _ids(req)}
+
+
+def _ids(req: SpawnRequest) -> dict | None:
+    """The request's user and group as resolved when the stack was read (omnid.model.accounts),
+    so that the spawner asks NSS nothing (a hung LDAP would stall every spawn and reap)."""
+    if not req.user and not req.group:
+        return None
+    a = accounts.of(req.user, req.group)
+    return {"uid": a.uid, "gid": a.gid, "groups": None if a.groups is None else list(a.groups), "error": a.error}
 
 
 @dataclass

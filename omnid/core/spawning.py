@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +19,9 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from omnid.base import linux
 from omnid.process import numa
 from omnid.process.cgroup import cgroup_limits
-from omnid.process.handle import DAEMON_TAG, UNIT_TAG
+from omnid.process.tags import DAEMON_TAG, tags_of
 from omnid.process.spawnclient import SpawnRequest
 from omnid.model.units import Unit as UnitSpec
 
@@ -34,6 +34,9 @@ RUNNER = str(Path(__file__).resolve().parent.parent / "process" / "runner.py")
 _PYTHON_RE = re.compile(r"^python(\d+(\.\d+)?)?$")
 # The daemon's own variables that a unit must not inherit.
 _NOT_INHERITED = ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES", "OMNID_CONTROL", "INVOCATION_ID")
+# The GPU precheck's bound on reading its holders' environments (each on a thread of its own,
+# omnid.process.tags): a holder that keeps its memory lock cannot hold a spawn longer.
+PRECHECK_BOUND_S = 1.0
 
 
 @dataclass
@@ -105,17 +108,32 @@ def gpu_refusal(spec: UnitSpec, backend: GpuBackend | None) -> str | None:
     return gpu_mod.start_refusal(backend, spec.gpus)
 
 
-def gpu_held_by_leftover(spec: UnitSpec, backend: GpuBackend | None, ours: set[int]) -> str | None:
-    """A unit must not start on a GPU that a leftover omnid process still holds."""
+def gpu_held_by_leftover(spec: UnitSpec, backend: GpuBackend | None, ours: set[int],
+                         bound_s: float = PRECHECK_BOUND_S) -> str | None:
+    """A unit must not start on a GPU that a leftover omnid process still holds.
+
+    The holders' tags are read within `bound_s` in all. A holder whose environment is not read
+    by then (its memory lock is held: stuck in a fault on a hung mount, say) is not proven
+    omnid's, and the spawn goes on with a warning naming it, as for any process outside omnid:
+    refusing would keep the unit down, restart after restart, for as long as a process stays
+    stuck that omnid can neither prove its own nor remove, while the GPU memory it holds is
+    reported (a start that does not fit fails with the engine's own out-of-memory error)."""
     if backend is None or not spec.gpus or not getattr(backend, "available", False) \
             or not getattr(backend, "pids_local", False):
         return None
     from omnid import gpu as gpu_mod
 
+    deadline = time.monotonic() + bound_s
     for holder in gpu_mod.holders_of(backend, spec.gpus):
         if holder.pid in ours:
             continue
-        tag = linux.read_environ_var(holder.pid, UNIT_TAG)
+        tags = tags_of(holder.pid, wait=max(0.0, deadline - time.monotonic()))
+        if tags is None:
+            log.warning("GPU used by a process whose environment was not read within the precheck's "
+                        f"bound ({bound_s:g} s; its memory lock is held?): not proven a leftover of omnid; "
+                        "starting", unit=spec.name, gpu=holder.gpu, pid=holder.pid, used_mib=holder.used_mib)
+            continue
+        tag = tags.unit
         if tag is not None:
             return (f"GPU {holder.gpu} is held by pid {holder.pid} ({holder.used_mib:.0f} MiB, a leftover "
                     f"omnid process of unit {tag} not managed by this daemon): refusing to start")

@@ -17,7 +17,7 @@ from pathlib import Path
 import structlog
 
 from omnid.base import linux
-from omnid.process.handle import DAEMON_TAG, UNIT_TAG
+from omnid.process.tags import DAEMON_TAG, TagReader, Tags
 
 log = structlog.get_logger("omnid.state")
 
@@ -144,27 +144,40 @@ class StateFile:
             pass
 
 
+# The scan below reads every process's environment on the host: each read on a thread of its
+# own (omnid.process.tags), waited for at most LEFTOVER_READ_S, and once MAX_OUT reads are out
+# no more wait at all: a stranger's process that keeps its memory lock costs the start at most
+# LEFTOVER_READ_S, all of them together MAX_OUT times that.
+LEFTOVER_READ_S = 0.2
+_host_tags = TagReader(name="leftover-scan")
+
+
 def find_leftovers(previous: PreviousState) -> list[Leftover]:
     """Live processes of a previous daemon instance, proven ours: a recorded pid counts only
     if its start time matches AND it carries the previous daemon's token in its environment
-    (a pid alone, or a pid and a start time an attacker copied from /proc, prove nothing)."""
+    (a pid alone, or a pid and a start time an attacker copied from /proc, prove nothing).
+    A process whose environment is not read in time is not proven ours (a log line names it)."""
     token = previous.token
     if not token:
         return []
     found: dict[int, Leftover] = {}
     me = os.getpid()
+
+    def tags(st: linux.ProcStat) -> Tags | None:
+        return _host_tags.get(st.pid, st.start_time, wait=LEFTOVER_READ_S)
+
     for rec in previous.processes:
         st = linux.read_stat(rec.pid)
         if (st is not None and rec.pid != me and st.start_time == rec.start_time and st.state not in ("Z", "X")
-                and linux.read_environ_var(rec.pid, DAEMON_TAG) == token):
+                and (t := tags(st)) is not None and t.daemon == token):
             found[rec.pid] = Leftover(rec.pid, rec.unit, "pid, start time and token match the state file",
                                       st.start_time)
     for st in linux.scan():
         if st.pid in found or st.pid == me or st.state in ("Z", "X"):
             continue
-        if linux.read_environ_var(st.pid, DAEMON_TAG) == token:
-            unit = linux.read_environ_var(st.pid, UNIT_TAG) or "?"
-            found[st.pid] = Leftover(st.pid, unit, f"carries {DAEMON_TAG} of the previous daemon", st.start_time)
+        if (t := tags(st)) is not None and t.daemon == token:
+            found[st.pid] = Leftover(st.pid, t.unit or "?", f"carries {DAEMON_TAG} of the previous daemon",
+                                     st.start_time)
     return list(found.values())
 
 

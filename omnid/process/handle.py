@@ -15,6 +15,7 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from omnid.base import linux
+from omnid.process.tags import DAEMON_TAG, UNIT_TAG, tags_of  # noqa: F401 - the tags, also imported from here
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,6 @@ def tree_usage(pid: int | None) -> TreeUsage | None:
 
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-
-# The tag every unit process carries (and inherits to its descendants).
-UNIT_TAG = "OMNID_UNIT"
-# Names the daemon instance that spawned a process: proof of ownership for leftovers.
-DAEMON_TAG = "OMNID_DAEMON"
 
 
 @dataclass
@@ -182,10 +178,13 @@ def group_alive(pgid: int) -> bool:
         return True
 
 
-def tagged(pid: int, unit: str, daemon_token: str | None) -> bool:
-    if linux.read_environ_var(pid, UNIT_TAG) != unit:
+def tagged(pid: int, unit: str, daemon_token: str | None, start_time: int | None = None) -> bool:
+    """Does pid carry `unit`'s tag (and this daemon's token, or none)? Read off the loop, bounded
+    (omnid.process.tags): a process whose environment is not read in time is not proven ours."""
+    t = tags_of(pid, start_time)
+    if t is None or t.unit != unit:
         return False
-    return daemon_token is None or linux.read_environ_var(pid, DAEMON_TAG) in (daemon_token, None)
+    return daemon_token is None or t.daemon in (daemon_token, None)
 
 
 def tagged_group_members(unit: str, pgid: int, daemon_token: str | None = None,
@@ -198,7 +197,8 @@ def tagged_group_members(unit: str, pgid: int, daemon_token: str | None = None,
         return []
     out = []
     for p in (procs or linux.scan)():
-        if (p.pgid == pgid or p.sid == pgid) and p.state not in ("Z", "X") and tagged(p.pid, unit, daemon_token):
+        if (p.pgid == pgid or p.sid == pgid) and p.state not in ("Z", "X") \
+                and tagged(p.pid, unit, daemon_token, p.start_time):
             out.append(Survivor(p.pid, p.comm, p.state, linux.wchan(p.pid), f"process group {pgid}", p.start_time))
     return out
 
@@ -231,7 +231,8 @@ def find_residue(unit: str, pgid: int, spawner_pid: int, daemon_token: str | Non
         # and none from another unit's main process (another session): walk that, not /proc.
         skip = frozenset(m for m in mains if m != pgid)
         for p in (linux.descendants(spawner_pid, skip) if spawner_pid > 0 else linux.scan()):
-            if not group_ours and (p.pgid == pgid or p.sid == pgid) and not tagged(p.pid, unit, daemon_token):
+            if not group_ours and (p.pgid == pgid or p.sid == pgid) \
+                    and not tagged(p.pid, unit, daemon_token, p.start_time):
                 continue
             if p.pgid == pgid:
                 add(p, f"process group {pgid}")
@@ -240,9 +241,14 @@ def find_residue(unit: str, pgid: int, spawner_pid: int, daemon_token: str | Non
     for pid in linux.children_of(spawner_pid) if children is None else children:
         if pid in seen or pid in mains or pid == pgid:
             continue
-        if not tagged(pid, unit, daemon_token):
-            continue
         st = linux.read_stat(pid)
+        # In another live unit's session (its main process leads one): that unit's, by the
+        # kernel's word, whatever its environment says; nothing of it is read (it may hold its
+        # mm lock).
+        if st is None or any(g != pgid and g in mains for g in (st.sid, st.pgid)):
+            continue
+        if not tagged(pid, unit, daemon_token, st.start_time):
+            continue
         add(st, f"orphan tagged {unit}")
         # Everything below an escaped orphan escaped with it.
         stack = linux.children_of(pid)

@@ -29,7 +29,8 @@ from collections.abc import Container
 from typing import Protocol
 
 from omnid.base import linux
-from omnid.process.handle import UNIT_TAG, ProcessHandle, Survivor, find_residue, group_alive, tagged
+from omnid.process.handle import ProcessHandle, Survivor, find_residue, group_alive, tagged
+from omnid.process.tags import tags_of
 
 POLL_S = 0.005
 MAX_BACKOFF_S = 0.25  # wait_gone: the longest pause between two scans (off the loop) of a group
@@ -97,7 +98,7 @@ class GroupProcesses:
             if pid in self.mains:
                 continue
             st = linux.read_stat(pid)
-            if st is None or st.pgid != self.h.pgid or not tagged(pid, self.unit, self.token):
+            if st is None or st.pgid != self.h.pgid or not tagged(pid, self.unit, self.token, st.start_time):
                 continue  # untagged: the number may be a stranger's group now
             fd = linux.open_checked_pidfd(pid, st.start_time)
             if fd is None:
@@ -140,7 +141,7 @@ class GroupProcesses:
             if p.state in ("Z", "X"):
                 left = left or (p.ppid == self.spawner_pid and p.pgid == self.h.pgid)
                 continue
-            if not tagged(p.pid, self.unit, self.token) and not self._dying_orphan(p):
+            if not tagged(p.pid, self.unit, self.token, p.start_time) and not self._dying_orphan(p):
                 continue
             left = True
             fd = linux.open_checked_pidfd(p.pid, p.start_time)
@@ -152,8 +153,13 @@ class GroupProcesses:
         """A member the spawner adopted whose tag cannot be read: a SIGKILLed process tearing
         down its memory (a large engine takes a while) has no environment to read and is not
         a zombie yet, but it still maps what the unit's cleanup must find unheld. Readably
-        another unit's process is never ours."""
-        return p.ppid == self.spawner_pid and linux.read_environ_var(p.pid, UNIT_TAG) is None
+        another unit's process is never ours. One whose environment is not read in time (its
+        mm lock held) counts too: in the group, adopted by our spawner, and not proven another's,
+        it is waited for (to the wait's deadline), never signalled on that count."""
+        if p.ppid != self.spawner_pid:
+            return False
+        t = tags_of(p.pid, p.start_time)
+        return t is None or t.unit is None
 
     async def wait_gone(self, deadline: float) -> bool:
         try:

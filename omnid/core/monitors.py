@@ -20,7 +20,7 @@ from omnid.core import probes
 from omnid.core import execprobe, progress
 from omnid.core.lifecycle import Event, Phase, UnitState
 from omnid.core.runtime import UnitRuntime
-from omnid.process.handle import DAEMON_TAG, UNIT_TAG
+from omnid.process.tags import tags_of
 from omnid.model.units import ReadyKind
 from omnid.core.centre import Centre
 
@@ -247,14 +247,22 @@ class Monitors:
                 pending = True
         if pending:
             # READY=1 can come before the spawner's reply: the environment proves it ours.
-            # Parentage first: reading a process's environment takes its mm lock, which a
-            # process of anyone's can keep busy (a page fault on its own FUSE file), so only
-            # a descendant of our spawner is read.
+            # Parentage first, and the environment read off the loop, bounded (omnid.process.tags):
+            # reading it takes the process's mm lock, which its owner can keep (a page fault on
+            # its own FUSE file), so only a descendant of our spawner is read, and one not read
+            # in time is not attributed.
             if not self._descends_from_spawner(pid):
                 return None
-            tag = linux.read_environ_var(pid, UNIT_TAG)
-            if tag in self.sup.units and linux.read_environ_var(pid, DAEMON_TAG) == self.sup.token:
+            tag = self._tag_of_spawn_in_flight(pid, st.start_time)
+            if tag is not None:
                 return tag
+        return None
+
+    def _tag_of_spawn_in_flight(self, pid: int, start_time: int) -> str | None:
+        """The unit named by pid's tags when they name a unit of ours and this daemon's token."""
+        t = tags_of(pid, start_time)
+        if t is not None and t.unit in self.sup.units and t.daemon == self.sup.token:
+            return t.unit
         return None
 
     def _descends_from_spawner(self, pid: int) -> bool:
@@ -282,12 +290,12 @@ class Monitors:
                 self.apply(rt, fields)
                 return rt.name
         # A unit can say READY=1 before the spawner's reply with its pid has been read:
-        # hold the message for a unit of ours whose spawn is in flight.
-        tag = linux.read_environ_var(sender_pid, UNIT_TAG)
+        # hold the message for a unit of ours whose spawn is in flight. Parentage first (no
+        # lock of the sender's), then its tags, off the loop and bounded.
+        tag = self._tag_of_spawn_in_flight(sender_pid, st.start_time) \
+            if self._descends_from_spawner(sender_pid) else None
         pending = self.sup.units.get(tag) if tag else None
-        if pending is not None and pending.proc is None and pending.phase is Phase.SPAWNING \
-                and linux.read_environ_var(sender_pid, DAEMON_TAG) == self.sup.token \
-                and self._descends_from_spawner(sender_pid):
+        if pending is not None and pending.proc is None and pending.phase is Phase.SPAWNING:
             if len(self.early) >= EARLY_NOTIFY_MAX:
                 self.early.pop(next(iter(self.early)))
             self.early.setdefault(st.sid, []).append(fields)

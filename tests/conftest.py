@@ -16,6 +16,7 @@ import uuid
 import pytest
 
 from omnid.base import linux
+from omnid.process import spawnstart
 from tests.harness import Daemon
 
 LEAK_GRACE_S = 10.0
@@ -114,6 +115,22 @@ def no_leaks(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest):
             problems.append("fds left open: " + ", ".join(desc))
     if problems:
         pytest.fail("leak check: " + "; ".join(problems), pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def fast_tier_starts_no_daemon(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """`-m fast` is the logic that needs no daemon: a fast test that starts one (the harness's
+    daemon, or a supervisor's spawner in-process) fails at that call, naming itself."""
+    if request.node.get_closest_marker("fast") is None:
+        return
+
+    def refusing(what: str):
+        def refuse(*_a, **_kw):
+            pytest.fail(f"{request.node.nodeid} is marked fast but starts {what}: drop its fast mark", pytrace=False)
+        return refuse
+
+    monkeypatch.setattr(Daemon, "start", refusing("an omnid daemon (tests.harness.Daemon)"))
+    monkeypatch.setattr(spawnstart, "launch", refusing("a spawner (a supervisor in-process)"))
 
 
 @pytest.hookimpl(hookwrapper=True)

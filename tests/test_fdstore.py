@@ -74,6 +74,7 @@ def check_given_back(r: dict, pid: int, port: int) -> None:
 
 
 # ------------------------------------------------------------------ the unit file
+@pytest.mark.fast
 def test_fd_store_max_errors_name_file_and_key():
     d = make_stack({"a": 'exec = ["true"]\nfd_store_max = -1\n', "b": 'exec = ["true"]\nfd_store_max = 249\n',
                     "c": 'exec = ["true"]\nfd_store_max = "many"\n',

@@ -213,6 +213,7 @@ def _write(tmp_path: Path, files: dict[str, str]) -> Path:
     return tmp_path
 
 
+@pytest.mark.fast
 def test_worker_group_members_in_rank_order_and_instance_count(tmp_path):
     from omnid.model.units import load_stack
 
@@ -237,6 +238,7 @@ def test_worker_group_members_in_rank_order_and_instance_count(tmp_path):
      "torch_distributed.master_port", "65535"),
     ({"a.toml": 'exec = ["a"]\nworker_group = "g"\ntorch_distributed = "yes"\n'}, "torch_distributed", "expected true"),
 ])
+@pytest.mark.fast
 def test_worker_group_mistakes_are_named(tmp_path, files, key, words):
     from omnid.model.units import check_stack
 

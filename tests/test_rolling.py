@@ -16,6 +16,8 @@ import threading
 import time
 from datetime import datetime
 
+import pytest
+
 from omnid.model.units import check_stack
 from tests.harness import REPO, alive, free_port, make_stack, wait_for
 from tests.test_reload import omnid, show, started
@@ -251,6 +253,7 @@ def test_rolling_is_refused_for_a_unit_with_one_instance(daemon_factory):
     assert started(d.unit("one")["pid"]) == pid
 
 
+@pytest.mark.fast
 def test_update_and_max_unavailable_errors_name_file_and_key():
     bad = make_stack({
         "a": 'exec = ["true"]\ninstances = 3\nupdate = "roll"\n',

@@ -65,6 +65,7 @@ def unit_toml(report: Path, port: int, *, held: bool = True, extra: str = "", ar
 
 
 # ------------------------------------------------------------------ the unit file
+@pytest.mark.fast
 def test_sockets_key_errors_name_file_key_and_what_was_expected():
     d = make_stack({
         "a": 'exec = ["true"]\nsockets = [{ listen = "localhost:80" }, { listen = "127.0.0.1:99999" }, '

@@ -11,6 +11,8 @@ import signal
 import sys
 import time
 
+import pytest
+
 from tests.harness import make_stack, wait_for
 
 STUBBORN = ("exec = " + json.dumps([sys.executable, "-c", "import signal, time\n"
@@ -95,6 +97,7 @@ def test_a_second_sigterm_during_a_stop_sigkills_every_unit_at_once(daemon_facto
             os.close(fd)
 
 
+@pytest.mark.fast
 def test_a_bad_stop_deadline_is_named_with_its_file_and_key():
     import pytest
 

@@ -7,7 +7,11 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from omnid.model.units import KillMode, Liveness, Progress, check_stack, load_stack
+
+pytestmark = pytest.mark.fast
 
 
 def write(directory: Path, text: str, name: str = "engine") -> Path:

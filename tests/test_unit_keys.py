@@ -21,6 +21,8 @@ from omnid.model.units import LIVENESS_KEYS, PROGRESS_KEYS, SOCKET_KEYS, TORCH_D
 from omnid.model.keys import TEMPLATE_KEYS, UNIT_KEY_TABLE, UNIT_KEYS, OnChange, UnitKey
 from tests.harness import REPO, make_stack
 
+pytestmark = pytest.mark.fast
+
 MAN = (REPO / "man" / "omnid.unit.5").read_text()
 # Unit fields that say which instance of which file a unit is: not keys.
 IDENTITY = {"name", "template", "instance", "file"}

@@ -24,6 +24,8 @@ from omnid.model.units import (
     load_stack,
 )
 
+pytestmark = pytest.mark.fast
+
 
 def write(directory: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():

@@ -10,6 +10,8 @@ import sys
 import time
 from datetime import datetime
 
+import pytest
+
 from omnid.core import policy
 from omnid.core.runtime import RestartBook
 from omnid.model.units import load_stack
@@ -22,6 +24,7 @@ def spec_of(text: str):
     return load_stack(make_stack({"u": text}))["u"]
 
 
+@pytest.mark.fast
 def test_backoff_doubles_up_to_the_maximum_and_jitter_adds_at_most_a_quarter():
     spec = spec_of('exec = ["x"]\nrestart = "on-failure"\nrestart_sec = 1\nrestart_max_sec = 8\n')
     for failures, base in ((1, 1), (2, 2), (3, 4), (4, 8), (9, 8)):
@@ -31,6 +34,7 @@ def test_backoff_doubles_up_to_the_maximum_and_jitter_adds_at_most_a_quarter():
     assert min(spread) == 1.0 and max(spread) > 1.2, "units failing together restart spread over 1.00-1.25 s"
 
 
+@pytest.mark.fast
 def test_restart_sec_zero_restarts_at_once_and_the_start_limit_still_ends_the_loop():
     spec = spec_of('exec = ["x"]\nrestart = "always"\nrestart_sec = 0\nstart_limit_burst = 3\n')
     book = RestartBook()
@@ -44,6 +48,7 @@ def test_restart_sec_zero_restarts_at_once_and_the_start_limit_still_ends_the_lo
     assert outcomes[-1][0] is policy.Outcome.GAVE_UP and book.gave_up
 
 
+@pytest.mark.fast
 def test_a_program_that_cannot_be_executed_is_not_retried_at_its_first_start():
     spec = spec_of('exec = ["x"]\nrestart = "on-failure"\n')
     import errno

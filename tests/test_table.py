@@ -81,10 +81,12 @@ def pos(s: Step) -> tuple[UnitState, Phase]:
     return (s.state, s.phase)
 
 
+@pytest.mark.fast
 def test_the_positions_are_the_ones_written_by_hand():
     assert set(lc.POSITIONS) == set(EXPECTED)
 
 
+@pytest.mark.fast
 def test_the_table_is_total_and_every_cell_is_what_was_written_by_hand():
     wrong = []
     for position, cells in EXPECTED.items():
@@ -103,6 +105,7 @@ def test_the_table_is_total_and_every_cell_is_what_was_written_by_hand():
     assert {k for k in lc.IGNORED} == {(s, p, e) for (s, p), cells in EXPECTED.items() for e in E if e not in cells}
 
 
+@pytest.mark.fast
 def test_a_pair_that_is_no_position_is_named_illegal():
     with pytest.raises(IllegalEvent) as err:
         step(View("worker@1", S.INACTIVE, P.DRAINING), E.GONE)
@@ -152,6 +155,7 @@ def simulate(view: View, first: Event, converge_stops: bool) -> tuple[list, list
 
 
 @pytest.mark.parametrize("position", list(EXPECTED), ids=lambda p: f"{p[0].value}/{p[1].value}")
+@pytest.mark.fast
 def test_a_stop_request_is_honoured_in_every_position(position):
     for v in views(*position):
         visited, acted = simulate(v, E.STOP_REQUESTED, converge_stops=True)
@@ -161,6 +165,7 @@ def test_a_stop_request_is_honoured_in_every_position(position):
 
 
 @pytest.mark.parametrize("position", list(EXPECTED), ids=lambda p: f"{p[0].value}/{p[1].value}")
+@pytest.mark.fast
 def test_an_internal_error_leads_out_of_every_position_to_failed_killing_what_runs(position):
     for v in views(*position):
         visited, acted = simulate(v, E.INTERNAL_ERROR, converge_stops=False)
@@ -173,6 +178,7 @@ def test_an_internal_error_leads_out_of_every_position_to_failed_killing_what_ru
             assert acted.index(Release()) > max(i for i, a in enumerate(acted) if isinstance(a, Signal))
 
 
+@pytest.mark.fast
 def test_every_action_type_has_exactly_one_handler_in_the_executor():
     from omnid.core.executor import Executor
 
@@ -181,6 +187,7 @@ def test_every_action_type_has_exactly_one_handler_in_the_executor():
     assert all(callable(h) for h in handlers.values())
 
 
+@pytest.mark.fast
 def test_every_timer_the_table_arms_is_known_to_the_executor():
     from omnid.core.executor import TIMER_EVENTS
 
@@ -195,6 +202,7 @@ def one(state, phase, event, **flags) -> Step:
     return step(View("worker@1", state, phase, **flags), event)
 
 
+@pytest.mark.fast
 def test_a_start_stays_inactive_until_the_process_exists():
     assert one(S.INACTIVE, P.IDLE, E.START_REQUESTED) == Step(S.INACTIVE, P.SPAWNING, (CountStart(), Spawn()))
     assert one(S.INACTIVE, P.SPAWNING, E.SPAWNED) == Step(S.STARTING, P.IDLE, (Publish(), ArmTimer("ready_timeout"),
@@ -210,6 +218,7 @@ def test_a_start_stays_inactive_until_the_process_exists():
         RecordFailure(), Signal("SIGKILL"), ArmTimer("kill_timeout"), WatchGone()), Cause.FAILURE)
 
 
+@pytest.mark.fast
 def test_a_death_is_failed_only_once_the_kernel_proves_the_unit_empty():
     died = one(S.ACTIVE, P.IDLE, E.EXITED)
     assert died == Step(S.FAILED, P.IDLE, (RecordFailure(), Release(), DecideRestart(), Publish()), Cause.FAILURE)
@@ -223,6 +232,7 @@ def test_a_death_is_failed_only_once_the_kernel_proves_the_unit_empty():
     assert one(S.FAILED, P.RELEASING, E.RELEASED) == Step(S.FAILED, P.IDLE)
 
 
+@pytest.mark.fast
 def test_leftovers_of_a_dead_main_get_the_stop_signal_and_leftover_timeout_before_sigkill():
     """issue 25: the failure is recorded and published at once (`stopping`); the leftovers get
     stop_signal + SIGCONT, and SIGKILL when leftover_timeout feeds STOP_TIMEOUT."""
@@ -241,6 +251,7 @@ def test_leftovers_of_a_dead_main_get_the_stop_signal_and_leftover_timeout_befor
     assert one(S.ACTIVE, P.IDLE, E.EXITED, leftovers=True).actions[2] == Signal("SIGKILL")
 
 
+@pytest.mark.fast
 def test_kill_mode_mixed_and_process_signal_the_main_process_first_then_the_rest_on_its_exit():
     for mode in (KillMode.MIXED, KillMode.PROCESS):
         stop = one(S.ACTIVE, P.IDLE, E.STOP_REQUESTED, kill_mode=mode)
@@ -270,6 +281,7 @@ def test_kill_mode_mixed_and_process_signal_the_main_process_first_then_the_rest
     assert one(S.STOPPING, P.DRAINING, E.EXITED, cause=Cause.REQUEST).actions[0] == Signal("stop_signal", cont=True)
 
 
+@pytest.mark.fast
 def test_a_failed_unit_and_a_fenced_one_are_signalled_whole_whatever_the_kill_mode():
     for mode in KillMode:
         for ev, state in ((E.WATCHDOG_EXPIRED, S.ACTIVE), (E.LIVENESS_FAILED, S.ACTIVE), (E.NOT_READY, S.STARTING),
@@ -280,6 +292,7 @@ def test_a_failed_unit_and_a_fenced_one_are_signalled_whole_whatever_the_kill_mo
         assert Signal("SIGKILL") in one(S.ACTIVE, P.IDLE, E.GROUP_FENCED, kill_mode=mode).actions
 
 
+@pytest.mark.fast
 def test_an_operator_stop_sends_the_stop_signal_with_sigcont_and_escalates_at_stop_timeout():
     stop = one(S.ACTIVE, P.IDLE, E.STOP_REQUESTED)
     assert stop == Step(S.STOPPING, P.SIGNALLED, (Publish(), Signal("stop_signal", cont=True),
@@ -293,12 +306,14 @@ def test_an_operator_stop_sends_the_stop_signal_with_sigcont_and_escalates_at_st
     assert unk == Step(S.INACTIVE, P.IDLE, (ReportUnkillable(), Release(), Publish()))
 
 
+@pytest.mark.fast
 def test_dependency_and_group_stops_carry_their_cause_and_never_drain():
     for ev, cause in ((E.DEPENDENCY_DOWN, Cause.REQUIREMENT), (E.GROUP_DOWN, Cause.GROUP)):
         got = one(S.ACTIVE, P.IDLE, ev, drain=True)
         assert (got.state, got.phase, got.cause) == (S.STOPPING, P.SIGNALLED, cause)
 
 
+@pytest.mark.fast
 def test_a_planned_stop_of_a_serving_unit_drains_first_and_a_failure_elsewhere_cuts_the_drain():
     got = one(S.ACTIVE, P.IDLE, E.STOP_REQUESTED, drain=True)
     assert got == Step(S.STOPPING, P.DRAINING, (Publish(), Drain(), ArmTimer("drain_timeout")), Cause.REQUEST)
@@ -308,6 +323,7 @@ def test_a_planned_stop_of_a_serving_unit_drains_first_and_a_failure_elsewhere_c
     assert (cut.phase, cut.cause) == (P.SIGNALLED, Cause.REQUIREMENT)
 
 
+@pytest.mark.fast
 def test_a_hung_unit_gets_its_stacks_captured_then_the_stop_signal_without_sigcont():
     for ev, state in ((E.WATCHDOG_EXPIRED, S.ACTIVE), (E.LIVENESS_FAILED, S.ACTIVE), (E.NOT_READY, S.STARTING)):
         got = one(state, P.IDLE, ev, capture=True)
@@ -326,10 +342,12 @@ def test_a_hung_unit_gets_its_stacks_captured_then_the_stop_signal_without_sigco
     assert one(S.STOPPING, P.SIGNALLED, E.CAPTURE_DUE, capture=True).actions == (Capture(feed=False),)
 
 
+@pytest.mark.fast
 def test_an_operator_stop_clears_a_failure():
     assert one(S.FAILED, P.IDLE, E.STOP_REQUESTED) == Step(S.INACTIVE, P.IDLE, (Publish(),))
 
 
+@pytest.mark.fast
 def test_legal_state_changes_are_derived_from_the_table():
     assert lc.LEGAL == {
         S.INACTIVE: {S.STARTING, S.FAILED},
@@ -340,6 +358,7 @@ def test_legal_state_changes_are_derived_from_the_table():
     }
 
 
+@pytest.mark.fast
 def test_step_is_pure_no_io_no_asyncio():
     tree = ast.parse(inspect.getsource(lc))
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
@@ -348,6 +367,7 @@ def test_step_is_pure_no_io_no_asyncio():
     assert not imported & {"asyncio", "os", "socket", "subprocess", "time", "signal", "select"}, imported
 
 
+@pytest.mark.fast
 def test_the_man_page_and_the_architecture_page_show_the_diagram_generated_from_the_table():
     man = (REPO / "man" / "omnid.unit.5").read_text()
     block = man.split(".SS Lifecycle", 1)[1].split(".nf\n", 1)[1].split("\n.fi", 1)[0]
@@ -358,6 +378,7 @@ def test_the_man_page_and_the_architecture_page_show_the_diagram_generated_from_
 
 
 # ------------------------------------------------------------ events in, actions out (the supervisor's feed)
+@pytest.mark.fast
 def test_feed_moves_the_unit_keeps_its_cause_and_reason_and_hands_every_action_to_the_executor(tmp_path):
     """No process: the executor is replaced by a recorder, so this checks `feed` alone --
     the position, the epoch that voids older timers, the stop cause and the reason."""

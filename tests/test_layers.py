@@ -7,6 +7,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.fast
+
 OMNID = Path(__file__).resolve().parent.parent / "omnid"
 
 # Lowest first. A package may import its own modules and those of every lower floor; packages

@@ -80,6 +80,7 @@ def test_rule_unit_tests_can_fail(tmp_path):
     assert r.returncode != 0 and "OmnidUnitRestartingOften" in r.stdout + r.stderr, r.stdout + r.stderr
 
 
+@pytest.mark.fast
 def test_every_alert_has_severity_and_annotations_and_names_only_exported_metrics():
     text = RULES.read_text()
     alerts = re.split(r"\n      - alert: ", text)[1:]
@@ -113,6 +114,7 @@ def test_dashboard_is_its_generators_output():
         "packaging/grafana/omnid-dashboard.json is stale: run python packaging/grafana/dashboard.py > it"
 
 
+@pytest.mark.fast
 def test_dashboard_holds_to_the_grafana_schema_essentials():
     """Grafana's dashboard model (schemaVersion 39, Grafana 11): what a load checks or
     silently drops. No Grafana is installable here (not on the registries this project uses)."""

@@ -55,6 +55,7 @@ def families_in_order(text: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the writer
+@pytest.mark.fast
 def test_label_values_escape_quotes_backslashes_and_newlines():
     page = promtext.Page()
     page.gauge("g", "a gauge").add(1, unit=HOSTILE, state="ok")
@@ -65,6 +66,7 @@ def test_label_values_escape_quotes_backslashes_and_newlines():
     promtool_check(page.text())
 
 
+@pytest.mark.fast
 def test_help_text_escapes_backslashes_and_newlines():
     page = promtext.Page()
     page.counter("c_total", "first\\second\nthird").add(2)
@@ -77,16 +79,19 @@ def test_help_text_escapes_backslashes_and_newlines():
     (0.5, "0.5"), (1.0, "1.0"), (1e-7, "1e-07"), (2.5e20, "2.5e+20"),
     (math.nan, "NaN"), (math.inf, "+Inf"), (-math.inf, "-Inf"),
 ])
+@pytest.mark.fast
 def test_values_are_formatted_as_the_format_reads_them(value, text):
     assert promtext.value_text(value) == text
     assert math.isnan(float(text)) if text == "NaN" else float(text) == float(value)
 
 
+@pytest.mark.fast
 def test_a_value_that_is_not_a_number_is_refused_naming_it():
     with pytest.raises(TypeError, match="'12'"):
         promtext.Page().gauge("g", "h").add("12")
 
 
+@pytest.mark.fast
 def test_a_family_is_written_once_and_its_name_cannot_be_declared_again():
     page = promtext.Page()
     fam = page.gauge("omnid_x", "x")
@@ -104,6 +109,7 @@ def test_a_family_is_written_once_and_its_name_cannot_be_declared_again():
     assert families_in_order(page.text()) == ["omnid_x", "omnid_x_total", "omnid_h_seconds"]
 
 
+@pytest.mark.fast
 def test_counters_are_named_total_and_gauges_are_not():
     page = promtext.Page()
     with pytest.raises(ValueError, match="counter omnid_restarts must be named NAME_total"):
@@ -116,6 +122,7 @@ def test_counters_are_named_total_and_gauges_are_not():
         page.gauge("omnid_up", "h").add(1, __name="x")
 
 
+@pytest.mark.fast
 def test_histogram_buckets_are_cumulative_with_inf_sum_and_count():
     page = promtext.Page()
     h = page.histogram("omnid_detect_seconds", "detection", (0.01, 1.0))
@@ -141,6 +148,7 @@ def test_histogram_buckets_are_cumulative_with_inf_sum_and_count():
     promtool_check(page.text())
 
 
+@pytest.mark.fast
 def test_a_page_with_nan_inf_and_hostile_labels_passes_promtool_and_reads_back():
     page = promtext.Page()
     g = page.gauge("omnid_g", "gauge")
@@ -166,6 +174,7 @@ class _Session:
     peers = SimpleNamespace(received=10, dropped={"stale": 3, "foreign": 1})
 
 
+@pytest.mark.fast
 def test_cluster_families_each_sit_under_their_own_type_line_on_a_stand_in_crosshost():
     ch = SimpleNamespace(metrics=lambda: {"tp": {"generations": 3, "fenced": 1, "down": 2}},
                          links={"tp": SimpleNamespace(cluster=SimpleNamespace(running_generation=lambda: 7))},

@@ -34,6 +34,7 @@ def memfd_of(data: bytes) -> int:
     (b'{"format": 2, "token": "x"}', "format is 2, this program reads format 1"),
     (b'{"format": 1}', "from_version: missing"),
 ])
+@pytest.mark.fast
 def test_a_truncated_or_foreign_record_is_a_named_error(data, words):
     fd = memfd_of(data)
     with pytest.raises(reexecrecord.RecordError) as err:
@@ -43,6 +44,7 @@ def test_a_truncated_or_foreign_record_is_a_named_error(data, words):
         os.fstat(fd)  # read closed it
 
 
+@pytest.mark.fast
 def test_a_wrong_field_is_named_by_its_path():
     r, w = os.pipe()
     try:

@@ -48,6 +48,7 @@ def show(d) -> str:
 
 
 # ------------------------------------------------------------------ the plan, pure
+@pytest.mark.fast
 def test_plan_sorts_each_instance_into_added_removed_restarted_updated_unchanged(tmp_path):
     old = make_stack({"serve": SLEEP + 'requires = ["engine"]\n', "engine": SLEEP + 'requires = ["worker"]\n',
                       "worker": SLEEP + "instances = 3\n", "gone": SLEEP})
@@ -61,6 +62,7 @@ def test_plan_sorts_each_instance_into_added_removed_restarted_updated_unchanged
     assert sorted(p.unchanged) == ["worker@0", "worker@1"], p.unchanged  # OMNID_INSTANCES is not a key
 
 
+@pytest.mark.fast
 def test_plan_restarts_a_whole_worker_group_when_its_membership_changes(tmp_path):
     old = make_stack({"ranks": SLEEP + 'instances = 2\nworker_group = "tp"\n'})
     new = make_stack({"ranks": SLEEP + 'instances = 3\nworker_group = "tp"\n'})
@@ -69,6 +71,7 @@ def test_plan_restarts_a_whole_worker_group_when_its_membership_changes(tmp_path
     assert "worker_group members" in p.restarted["ranks@0"]
 
 
+@pytest.mark.fast
 def test_plan_reports_omnid_toml_settings_a_running_daemon_cannot_change(tmp_path):
     old = make_stack({"a": SLEEP}, settings='health_listen = "127.0.0.1:9400"\n')
     new = make_stack({"a": SLEEP}, settings='health_listen = "127.0.0.1:9401"\n')

@@ -253,6 +253,7 @@ def _readme_first_screen() -> str:
     return text[:text.index("\n## ")]  # before the first section: what a newcomer reads first
 
 
+@pytest.mark.fast
 def test_readme_says_where_state_goes_before_its_first_section():
     first = _readme_first_screen()
     assert "STATE_DIR" in first and "/var/lib/omnid" in first and "/run/omnid" in first, first
@@ -321,6 +322,7 @@ def test_completion_offers_commands_options_and_the_running_stacks_unit_names(tm
     assert _complete(shell, str(script), ["omnid", "--control", str(tmp_path / "none.sock"), "stop", ""]) == []
 
 
+@pytest.mark.fast
 def test_every_command_and_option_of_help_is_in_omnid_8():
     """omnid(8) and --help say the same: every command --help lists, and each of its long
     options, is in the page (the hidden __complete is the completion script's, not a user's)."""

@@ -52,6 +52,7 @@ def test_events_starts_with_each_units_state_as_of_its_change_never_none(daemon_
     assert "None" not in line
 
 
+@pytest.mark.fast
 def test_event_lines_render_a_change_and_a_current_state():
     from omnid.cli.render import format_event
 

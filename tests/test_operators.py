@@ -60,6 +60,7 @@ def cli(tmp_path):
 
 
 # ----------------------------------------------------------------------------- settings
+@pytest.mark.fast
 def test_settings_resolver_prefers_flag_then_env_then_omnid_toml_then_default(tmp_path):
     class Toml:
         control = tmp_path / "toml.sock"
@@ -536,6 +537,7 @@ def test_pip_install_puts_the_man_pages_under_share_man(tmp_path):
         assert any(n.endswith(f".data/data/share/man/{sect}/{page}") for n in names), names
 
 
+@pytest.mark.fast
 def test_units_readme_points_nowhere_outside_the_repo():
     text = (REPO / "units" / "README.md").read_text()
     assert "../shared" not in text and "/work/" not in text

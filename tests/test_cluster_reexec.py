@@ -22,6 +22,8 @@ from omnid.cluster.session import ClusterSession  # noqa: E402
 from omnid.core.crosshost import read_handover  # noqa: E402
 from omnid.model.units import load_stack  # noqa: E402
 
+pytestmark = pytest.mark.fast
+
 
 def _stack(tmp_path, port: int):
     # etcd at a port nobody listens on: nothing here may need it.

@@ -21,6 +21,8 @@ from omnid.cluster.peers import MAGIC, DownNotice, PeerLink, PeerView, derive_ke
 from omnid.model.cluster import ClusterSettings, Endpoint, parse_cluster
 from omnid.model.units import check_stack, load_stack
 
+pytestmark = pytest.mark.fast
+
 
 # ------------------------------------------------------------------ settings
 

@@ -174,6 +174,7 @@ def test_capture_is_cut_to_max_bytes_and_says_so():
     assert cut.processes[0].why == "main" and "engine_step" in cut.summary
 
 
+@pytest.mark.fast
 def test_capture_with_budget_zero_captures_nothing():
     cap, took = run_capture([Member(os.getpid(), 0, "main")], budget_s=0)
     assert cap.processes == () and "capture_timeout = 0" in cap.summary and took < 0.1
@@ -186,6 +187,7 @@ def test_capture_round_trips_through_json():
     assert again == cap
 
 
+@pytest.mark.fast
 def test_summary_puts_d_state_first_and_counts_the_rest():
     def dump(pid: int, state: str, wchan: str, why: str = "cgroup") -> ProcessDump:
         return ProcessDump(pid=pid, why=why, comm="x", state=state, wchan=wchan, cmdline="")
@@ -206,6 +208,7 @@ def _cap(unit: str = "worker@0", ts: float | None = None, pad: int = 0) -> Captu
                    summary="1 process: pid 1 S in futex_wait_queue" + "x" * pad)
 
 
+@pytest.mark.fast
 def test_capture_store_files_are_0600_in_0700_directories(tmp_path):
     store = CaptureStore(tmp_path)
     name = store.save(_cap())
@@ -216,6 +219,7 @@ def test_capture_store_files_are_0600_in_0700_directories(tmp_path):
     assert store.latest("worker@0", 5)[0].summary.startswith("1 process")
 
 
+@pytest.mark.fast
 def test_capture_store_keeps_the_newest_within_count_and_bytes(tmp_path):
     store = CaptureStore(tmp_path, max_count=3, max_bytes=10_000)
     t = 1_800_000_000.0
@@ -230,6 +234,7 @@ def test_capture_store_keeps_the_newest_within_count_and_bytes(tmp_path):
     assert store.last_summary("worker@0")["ts"] == t + 9
 
 
+@pytest.mark.fast
 def test_capture_store_refuses_a_planted_symlink_instead_of_writing_through_it(tmp_path):
     victim = tmp_path / "victim"
     victim.mkdir()
@@ -247,6 +252,7 @@ def test_capture_store_refuses_a_planted_symlink_instead_of_writing_through_it(t
     assert list(victim.iterdir()) == []
 
 
+@pytest.mark.fast
 def test_capture_store_skips_a_corrupt_file_and_a_symlinked_file(tmp_path):
     store = CaptureStore(tmp_path)
     store.save(_cap(ts=1_800_000_000.0))
@@ -257,6 +263,7 @@ def test_capture_store_skips_a_corrupt_file_and_a_symlinked_file(tmp_path):
     assert [c.ts for c in caps] == [1_800_000_000.0]
 
 
+@pytest.mark.fast
 def test_capture_store_escapes_unit_names_into_one_directory_level(tmp_path):
     assert escape("worker@1") == "worker@1"
     assert escape("../x") == "%2E%2E%2Fx" and "/" not in escape("a/b") and not escape(".x").startswith(".")
@@ -321,6 +328,7 @@ def test_dump_requests_with_bad_arguments_get_clear_errors(daemon_factory):
     assert _omnid(d, "dump", "idle", "--last", "0").returncode == 2
 
 
+@pytest.mark.fast
 def test_capture_timeout_is_read_and_bounded():
     from omnid.model.units import check_stack, load_stack
     from tests.harness import make_stack

@@ -51,6 +51,7 @@ def two_gpus_with_workers() -> FakeGpuBackend:
 # ---------------------------------------------------------------------------- fake GPU
 
 
+@pytest.mark.fast
 def test_fake_gpu_says_it_is_fake() -> None:
     fake = two_gpus_with_workers()
     assert fake.kind == "fake"
@@ -58,6 +59,7 @@ def test_fake_gpu_says_it_is_fake() -> None:
     assert "FAKE" in gpu.describe(fake)
 
 
+@pytest.mark.fast
 def test_fake_gpu_lists_gpus_with_free_memory_derived_from_processes() -> None:
     fake = two_gpus_with_workers()
     assert fake.gpus() == [
@@ -66,6 +68,7 @@ def test_fake_gpu_lists_gpus_with_free_memory_derived_from_processes() -> None:
     ]
 
 
+@pytest.mark.fast
 def test_fake_gpu_explicit_free_memory_simulates_an_outside_process() -> None:
     fake = two_gpus_with_workers()
     fake.set_gpu(0, total_mib=81920, free_mib=12)
@@ -73,6 +76,7 @@ def test_fake_gpu_explicit_free_memory_simulates_an_outside_process() -> None:
     assert gpu0.free_mib == 12 and gpu0.used_mib == 81908
 
 
+@pytest.mark.fast
 def test_fake_gpu_memory_held_by_only_the_given_pids() -> None:
     fake = two_gpus_with_workers()
     assert memory_held_by(fake, [1001, 1002, 4242]) == [
@@ -82,6 +86,7 @@ def test_fake_gpu_memory_held_by_only_the_given_pids() -> None:
     assert memory_held_by(fake, []) == []
 
 
+@pytest.mark.fast
 def test_fake_gpu_process_on_two_gpus_is_listed_once_per_gpu() -> None:
     fake = two_gpus_with_workers()
     fake.set_process(1001, 100, gpu=1)
@@ -90,6 +95,7 @@ def test_fake_gpu_process_on_two_gpus_is_listed_once_per_gpu() -> None:
     assert [(p.pid, p.gpu) for p in memory_held_by(fake, [1001])] == [(1001, 1)]
 
 
+@pytest.mark.fast
 def test_fake_gpu_holders_of_lists_every_pid_on_those_gpus() -> None:
     fake = two_gpus_with_workers()
     assert sorted(p.pid for p in holders_of(fake, [1])) == [1002, 9999]
@@ -121,6 +127,7 @@ def test_fake_gpu_wait_released_gives_up_at_the_deadline_with_leftovers() -> Non
     assert 0.3 <= elapsed < 1.5
 
 
+@pytest.mark.fast
 def test_fake_gpu_wait_released_with_nothing_held_is_immediate() -> None:
     fake = two_gpus_with_workers()
     ms, leftovers = asyncio.run(wait_released(fake, [4242], timeout=5.0))
@@ -128,6 +135,7 @@ def test_fake_gpu_wait_released_with_nothing_held_is_immediate() -> None:
     assert asyncio.run(wait_released(fake, [], timeout=5.0)) == (0.0, [])
 
 
+@pytest.mark.fast
 def test_fake_gpu_unavailable_cannot_tell_instead_of_claiming_released() -> None:
     fake = two_gpus_with_workers()
     fake.set_unavailable("no GPU: fake NVML failure")
@@ -139,6 +147,7 @@ def test_fake_gpu_unavailable_cannot_tell_instead_of_claiming_released() -> None
     assert fake.available and len(memory_held_by(fake, [1001])) == 1
 
 
+@pytest.mark.fast
 def test_fake_gpu_host_pids_are_not_matched_to_unit_pids() -> None:
     fake = two_gpus_with_workers()
     fake.set_pids_local(False)
@@ -148,6 +157,7 @@ def test_fake_gpu_host_pids_are_not_matched_to_unit_pids() -> None:
     assert [p.pid for p in holders_of(fake, [0])] == [1001]
 
 
+@pytest.mark.fast
 def test_fake_gpu_file_from_env_is_what_open_backend_uses(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "gpu.json"
@@ -168,6 +178,7 @@ def _open_refused(monkeypatch: pytest.MonkeyPatch) -> tuple[gpu.GpuBackend, list
     return backend, logs
 
 
+@pytest.mark.fast
 def test_fake_gpu_developer_option_is_refused_in_a_systemd_service(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "gpu.json"
@@ -189,6 +200,7 @@ def test_fake_gpu_developer_option_is_refused_in_a_systemd_service(tmp_path: Pat
     (0o777, 0o644, "its directory"),   # another user could replace the file
     (0o700, 0o666, "writable by its group and others"),
 ])
+@pytest.mark.fast
 def test_fake_gpu_developer_option_refuses_a_file_others_could_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                      dir_mode: int, file_mode: int,
                                                                      says: str) -> None:
@@ -206,6 +218,7 @@ def test_fake_gpu_developer_option_refuses_a_file_others_could_write(tmp_path: P
     assert says in refused["reason"] and str(path) in refused["reason"], refused
 
 
+@pytest.mark.fast
 def test_fake_gpu_old_variable_is_said_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "gpu.json"
     write_fake_gpu_file(path, {"gpus": [{"index": 0, "total_mib": 1000}], "processes": []})
@@ -226,6 +239,7 @@ def test_fake_gpu_module_is_never_imported_without_the_developer_option() -> Non
     assert kind != "fake" and imported == "False", out.stdout
 
 
+@pytest.mark.fast
 def test_fake_gpu_status_says_fake_and_the_demo_worker_reads_the_same_option() -> None:
     from omnid.cli.render import print_gpu
 
@@ -244,6 +258,7 @@ def test_fake_gpu_status_says_fake_and_the_demo_worker_reads_the_same_option() -
     assert gpu.FAKE_GPU_ENV == testswitch.FAKE_GPU_ENV == "OMNID_DEVELOPER_FAKE_GPU"
 
 
+@pytest.mark.fast
 def test_fake_gpu_file_is_reread_on_every_call(tmp_path: Path) -> None:
     path = tmp_path / "gpu.json"
     write_fake_gpu_file(path, {"gpus": [{"index": 0, "total_mib": 1000}],
@@ -256,6 +271,7 @@ def test_fake_gpu_file_is_reread_on_every_call(tmp_path: Path) -> None:
     assert backend.processes() == []
 
 
+@pytest.mark.fast
 def test_fake_gpu_setters_on_a_file_are_seen_by_another_reader(tmp_path: Path) -> None:
     path = tmp_path / "gpu.json"
     writer, reader = FakeGpuBackend(path), FakeGpuBackend(path)
@@ -293,6 +309,7 @@ def test_fake_gpu_release_by_another_process_ends_the_wait(tmp_path: Path) -> No
     ('{"processes": [{"pid": 1}]}', "processes[0]: expected"),
     ('{"available": false, "reason": "no GPU: pretend"}', "no GPU: pretend"),
 ])
+@pytest.mark.fast
 def test_fake_gpu_bad_file_is_unavailable_with_a_reason(tmp_path: Path, content: str | None,
                                                         expected: str) -> None:
     path = tmp_path / "gpu.json"
@@ -310,6 +327,7 @@ def test_fake_gpu_bad_file_is_unavailable_with_a_reason(tmp_path: Path, content:
 # ---------------------------------------------------------------------------- no GPU / NVML errors
 
 
+@pytest.mark.fast
 def test_no_gpu_backend_answers_empty_and_never_raises() -> None:
     backend = NoGpuBackend("no GPU: NVML not found (libnvidia-ml.so.1 cannot be loaded)")
     assert not backend.available and backend.kind == "none"
@@ -319,6 +337,7 @@ def test_no_gpu_backend_answers_empty_and_never_raises() -> None:
     assert gpu.describe(backend) == "none: " + backend.reason
 
 
+@pytest.mark.fast
 def test_fake_nvml_open_backend_without_the_library_gives_no_gpu_reason(
         monkeypatch: pytest.MonkeyPatch) -> None:
     pynvml = pytest.importorskip("pynvml")
@@ -353,6 +372,7 @@ def test_open_backend_where_no_driver_is_never_loads_nvml() -> None:
     ("NVML_ERROR_NO_PERMISSION", "no GPU: NVML: insufficient permissions"),
     ("NVML_ERROR_UNKNOWN", "no GPU: NVML init failed: Unknown Error"),
 ])
+@pytest.mark.fast
 def test_fake_nvml_init_failure_is_a_reason_not_an_exception(
         monkeypatch: pytest.MonkeyPatch, code_name: str, expected: str) -> None:
     pynvml = pytest.importorskip("pynvml")
@@ -365,6 +385,7 @@ def test_fake_nvml_init_failure_is_a_reason_not_an_exception(
     assert backend.gpus() == [] and backend.processes() == []
 
 
+@pytest.mark.fast
 def test_fake_nvml_missing_python_binding_is_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` fail
     backend = NvmlBackend()
@@ -427,6 +448,7 @@ def fake_nvml(monkeypatch: pytest.MonkeyPatch, lost_gpu: int | None = None):  # 
     return pynvml
 
 
+@pytest.mark.fast
 def test_fake_nvml_merges_process_lists_per_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_nvml(monkeypatch)
     backend = NvmlBackend()
@@ -443,6 +465,7 @@ def test_fake_nvml_merges_process_lists_per_gpu(monkeypatch: pytest.MonkeyPatch)
     assert sorted(p.gpu for p in memory_held_by(backend, [11, 10])) == [0, 0, 1]
 
 
+@pytest.mark.fast
 def test_fake_nvml_lost_gpu_is_skipped_and_the_others_still_read(
         monkeypatch: pytest.MonkeyPatch) -> None:
     fake_nvml(monkeypatch, lost_gpu=1)
@@ -451,6 +474,7 @@ def test_fake_nvml_lost_gpu_is_skipped_and_the_others_still_read(
     assert {p.gpu for p in backend.processes()} == {0}
 
 
+@pytest.mark.fast
 def test_fake_nvml_no_devices_is_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     pynvml = fake_nvml(monkeypatch)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 0)
@@ -478,6 +502,7 @@ def mig_gpu() -> FakeGpuBackend:
     return fake
 
 
+@pytest.mark.fast
 def test_fake_gpu_uuids_and_mig_uuids_name_their_devices() -> None:
     fake = mig_gpu()
     gpus = fake.gpus()
@@ -490,6 +515,7 @@ def test_fake_gpu_uuids_and_mig_uuids_name_their_devices() -> None:
     assert [(p.pid, p.gpu, p.mig, p.uuid) for p in fake.processes() if p.pid == 2001] == [(2001, 1, MIG_A, GPU1)]
 
 
+@pytest.mark.fast
 def test_fake_gpu_mig_holders_of_a_mig_uuid_are_only_that_devices_processes() -> None:
     fake = mig_gpu()
     assert [p.pid for p in holders_of(fake, [MIG_A])] == [2001]
@@ -514,6 +540,7 @@ def test_fake_gpu_mig_wait_released_proves_the_release_on_that_mig_device() -> N
     assert memory_held_by(fake, [2001, 2002], [MIG_A]) == []
 
 
+@pytest.mark.fast
 def test_fake_gpu_mig_min_free_mib_reads_the_mig_devices_own_memory() -> None:
     from omnid.gpu import watch
     from omnid.core.lifecycle import UnitState
@@ -534,6 +561,7 @@ def test_fake_gpu_mig_min_free_mib_reads_the_mig_devices_own_memory() -> None:
     assert degraded == {"worker": "MIG-gone not visible to fake"}
 
 
+@pytest.mark.fast
 def test_fake_gpu_mig_file_naming_an_unknown_mig_device_is_unavailable_with_a_reason(tmp_path: Path) -> None:
     path = tmp_path / "gpu.json"
     write_fake_gpu_file(path, {"gpus": [{"index": 0, "total_mib": 100}],

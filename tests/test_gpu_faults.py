@@ -139,6 +139,7 @@ def test_fake_gpu_xid_on_a_mig_device_reaches_that_device_and_its_whole_gpu_only
     assert affects(b, 1, MIG_B) and not affects(b, 0, MIG_B)
 
 
+@pytest.mark.fast
 def test_fake_gpu_unknown_xid_degrades_naming_the_code():
     info = classify_xid(4242)
     assert info.status == "degraded" and not info.fails_units and "Xid 4242" in info.meaning
@@ -148,6 +149,7 @@ def test_fake_gpu_unknown_xid_degrades_naming_the_code():
                                              (64, "row remapp", True), (74, "NVLink", True),
                                              (79, "fallen off the bus", True), (94, "contained ECC", True),
                                              (95, "uncontained ECC", True), (45, "killed", False)])
+@pytest.mark.fast
 def test_xid_meanings_of_the_critical_ones(xid, words, fails):
     info = classify_xid(xid)
     assert words in info.meaning and info.fails_units is fails
@@ -373,6 +375,7 @@ def fake_pynvml(monkeypatch, hang: threading.Event | None = None):
     return pynvml
 
 
+@pytest.mark.fast
 def test_fake_nvml_mig_processes_are_read_per_mig_device(monkeypatch):
     fake_pynvml(monkeypatch)
     b = NvmlBackend(timeout=0.5)

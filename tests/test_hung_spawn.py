@@ -95,6 +95,7 @@ def test_a_spawn_on_a_hung_mount_fails_after_its_bound_and_freezes_nothing_else(
           f"stuck failed {failed_after:.1f} s after the daemon's start")
 
 
+@pytest.mark.fast
 def test_which_spawns_are_forked_rather_than_vforked():
     """The mount that holds a path (the longest mount point above it, the last mounted) decides;
     the cwd and every program the child may execve count; a local mount inside a network one

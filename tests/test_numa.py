@@ -84,6 +84,7 @@ def unit(tmp_path: Path, body: str):
 # ------------------------------------------------------------------ reading the topology
 
 
+@pytest.mark.fast
 def test_kernel_lists_read_and_written():
     assert numa.parse_list("0-3,8,10-11\n", "x") == (0, 1, 2, 3, 8, 10, 11)
     assert numa.parse_list("", "x") == ()
@@ -94,6 +95,7 @@ def test_kernel_lists_read_and_written():
 
 
 @pytest.mark.parametrize("driver", [True, False], ids=["driver_proc", "pci_scan"])
+@pytest.mark.fast
 def test_fake_gpu_topology_gpus_in_pci_bus_order(tmp_path, driver):
     root = fake_gpu_tree(tmp_path, [
         {"bus": "0000:86:00.0", "uuid": GPU1, "node": "1", "cpus": "8-15"},
@@ -106,6 +108,7 @@ def test_fake_gpu_topology_gpus_in_pci_bus_order(tmp_path, driver):
     assert topo.nodes == {0: tuple(range(8)), 1: tuple(range(8, 16))}
 
 
+@pytest.mark.fast
 def test_fake_gpu_topology_unreadable_node_is_a_problem_not_a_guess(tmp_path):
     root = fake_gpu_tree(tmp_path, [{"bus": "0000:3b:00.0", "uuid": GPU0, "node": None, "cpus": "0"},
                                     {"bus": "0000:86:00.0", "uuid": GPU1, "node": "x", "cpus": "0"}], {0: "0"})
@@ -117,6 +120,7 @@ def test_fake_gpu_topology_unreadable_node_is_a_problem_not_a_guess(tmp_path):
 # ------------------------------------------------------------------ deciding
 
 
+@pytest.mark.fast
 def test_fake_gpu_topology_auto_places_on_the_gpus_node(fake_root, tmp_path):
     p = numa.placement_for(unit(tmp_path, "gpus = [0]\n"))
     assert p.nodes == (0,) and p.cpus == (int(ONE_CPU),)
@@ -125,11 +129,13 @@ def test_fake_gpu_topology_auto_places_on_the_gpus_node(fake_root, tmp_path):
     assert p.to_wire() == {"cpus": [int(ONE_CPU)], "mempolicy": numa.MPOL_PREFERRED, "nodes": [0]}
 
 
+@pytest.mark.fast
 def test_fake_gpu_topology_gpu_named_by_uuid_or_legacy_mig_uuid(fake_root, tmp_path):
     assert numa.placement_for(unit(tmp_path, f'gpus = ["{GPU0}"]\n')).nodes == (0,)
     assert numa.placement_for(unit(tmp_path, f'gpus = ["MIG-{GPU0}/1/0"]\n')).nodes == (0,)
 
 
+@pytest.mark.fast
 def test_fake_nvml_mig_uuid_is_placed_on_its_gpus_node(fake_root, tmp_path, monkeypatch):
     # No NVML here: a fake resolver stands in for nvmlDeviceGetDeviceHandleFromMigDeviceHandle.
     mig = "MIG-377e0049-554c-540b-93c6-d0976f8426cb"
@@ -137,18 +143,21 @@ def test_fake_nvml_mig_uuid_is_placed_on_its_gpus_node(fake_root, tmp_path, monk
     assert numa.placement_for(unit(tmp_path, f'gpus = ["{mig}"]\n')).nodes == (0,)
 
 
+@pytest.mark.fast
 def test_fake_gpu_topology_mig_uuid_without_nvml_is_said_not_guessed(fake_root, tmp_path, monkeypatch):
     monkeypatch.setattr(numa, "_nvml_mig_parent", lambda uuid: None)
     p = numa.placement_for(unit(tmp_path, 'gpus = ["MIG-377e0049-554c-540b-93c6-d0976f8426cb"]\n'))
     assert not p.active and "cannot be found without NVML" in p.note
 
 
+@pytest.mark.fast
 def test_fake_gpu_topology_node_this_host_lacks_keeps_cpus_drops_memory_policy(fake_root, tmp_path):
     p = numa.placement_for(unit(tmp_path, "gpus = [1]\n"))
     assert p.nodes == (1,) and p.cpus == (HOST_CPUS[0],)
     assert p.memory == 0 and "memory of node 1 is not allowed" in p.note
 
 
+@pytest.mark.fast
 def test_fake_gpu_topology_gpus_on_two_nodes_prefer_both(tmp_path, monkeypatch):
     root = two_gpus(tmp_path / "fake")
     monkeypatch.setenv(numa.SYSFS_ROOT_ENV, str(root))
@@ -159,6 +168,7 @@ def test_fake_gpu_topology_gpus_on_two_nodes_prefer_both(tmp_path, monkeypatch):
     numa._placement.cache_clear()
 
 
+@pytest.mark.fast
 def test_fake_gpu_topology_problems_leave_the_unit_unplaced_and_say_why(fake_root, tmp_path):
     p = numa.placement_for(unit(tmp_path, "gpus = [7]\n"))
     assert not p.active and "GPU 7: this host has 2 GPUs" in p.note and not p.error
@@ -166,6 +176,7 @@ def test_fake_gpu_topology_problems_leave_the_unit_unplaced_and_say_why(fake_roo
     assert not p.active and "no GPU with UUID" in p.note
 
 
+@pytest.mark.fast
 def test_fake_gpu_topology_explicit_node_is_honoured_or_refused(fake_root, tmp_path):
     p = numa.placement_for(unit(tmp_path, "numa = 0\n"))
     assert p.nodes == (0,) and p.cpus == (int(ONE_CPU),) and p.memory == numa.MPOL_PREFERRED
@@ -174,12 +185,14 @@ def test_fake_gpu_topology_explicit_node_is_honoured_or_refused(fake_root, tmp_p
     assert p.to_wire() == {"error": p.error}
 
 
+@pytest.mark.fast
 def test_numa_off_and_auto_without_gpus_place_nothing(fake_root, tmp_path):
     assert numa.placement_for(unit(tmp_path, 'gpus = [0]\nnuma = "off"\n')) is numa.NO_PLACEMENT
     assert numa.placement_for(unit(tmp_path, "")) is numa.NO_PLACEMENT
     assert numa.status(unit(tmp_path, "")) is None
 
 
+@pytest.mark.fast
 def test_fake_gpu_topology_units_own_numactl_wins_and_is_said(fake_root, tmp_path):
     d = tmp_path / "own"
     d.mkdir()
@@ -197,6 +210,7 @@ def test_fake_gpu_topology_units_own_numactl_wins_and_is_said(fake_root, tmp_pat
     assert key == "env" and "GOMP_CPU_AFFINITY" in note and not fails
 
 
+@pytest.mark.fast
 def test_memory_policy_read_from_numa_maps():
     maps = ("55d0 prefer:1 file=/bin/x mapped=2 N0=2\n55d1 prefer:1 anon=3 N0=3\n"
             "7f00 bind:0 anon=1 N0=1\n")

@@ -202,6 +202,7 @@ def test_a_bare_program_name_is_found_in_the_units_path_and_argv0_stays_as_writt
         assert argv[:2] == [b"napper", b"1000"], (unit, argv)
 
 
+@pytest.mark.fast
 def test_the_daemon_hands_the_spawner_the_program_it_found_and_only_when_it_is_sure(tmp_path):
     import shutil
 

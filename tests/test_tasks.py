@@ -387,6 +387,7 @@ def test_leftover_cleanup_uses_the_one_kill_policy_and_skips_a_recycled_pid():
             p.wait()
 
 
+@pytest.mark.fast
 def test_spawner_messages_are_decoded_into_typed_values_and_bad_ones_are_named():
     from omnid.process.spawnclient import (ExitReport, Hello, ProtocolError, SpawnedMsg, SpawnFailedMsg, SpawnRequest,
                                    decode, spawn_wire)

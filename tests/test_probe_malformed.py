@@ -395,3 +395,69 @@ capture_timeout = 2
     _daemon_said_nothing_internal(d)
     print(f"\nprogress: {u['reason']}")
 
+
+
+def test_a_page_near_the_cap_is_parsed_off_the_loop():
+    """A page just under SCRAPE_MAX_BYTES took promtext.sums ~1.5 s on the loop (every death
+    the daemon sees waits that long). It is parsed on a worker thread: the loop goes on."""
+    line = b'vllm:some_histogram_bucket{model_name="m",le="0.5"} 12.5\n'
+    page = line * ((progress.SCRAPE_MAX_BYTES - 100) // len(line)) + b"tok_total 7\n"
+
+    async def run() -> tuple[tuple, float, float]:
+        async def serve(r, w):
+            await r.readuntil(b"\r\n\r\n")
+            w.write(HEAD + b"Content-Length: %d\r\n\r\n" % len(page) + page)
+            await w.drain()
+            w.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        rule = Progress(metrics=f"http://127.0.0.1:{port}/metrics", counter="tok_total", busy=("busy",),
+                        stall_sec=10, interval=5)
+        gaps = [0.0]
+        done = asyncio.Event()
+
+        async def tick() -> None:
+            last = time.monotonic()
+            while not done.is_set():
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.ensure_future(tick())
+        t0 = time.monotonic()
+        try:
+            got = await progress.scrape(rule)
+        finally:
+            took = time.monotonic() - t0
+            done.set()
+            await ticker
+            server.close()
+            await server.wait_closed()
+        return got, took, max(gaps)
+
+    got, took, gap = asyncio.run(run())
+    assert got == (7.0, {"busy": None}), got
+    assert gap < 0.5, f"the loop stood still for {gap * 1000:.0f} ms during a {took:.2f} s scrape"
+    print(f"\n{len(page) / 1e6:.1f} MB page: scraped in {took:.2f} s; the loop's longest wait {gap * 1000:.0f} ms")
+
+
+def test_a_page_of_tiny_lines_is_read_a_block_at_a_time():
+    """8 MiB of 3-byte lines: split whole (splitlines) it was ~170 MB of strings before the
+    first line was judged; read a block at a time, the first bad line ends it at once."""
+    import tracemalloc
+
+    text = "ab\n" * ((8 << 20) // 3)
+    tracemalloc.start()
+    try:
+        with pytest.raises(promtext.MalformedExposition, match="^line 1: no value: 'ab'"):
+            promtext.sums(text, ["tok_total"])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"{peak / 1e6:.0f} MB held to read the first line"
+    many = "x 1\n" * 70000 + "x{\n"  # the line number counts across blocks
+    with pytest.raises(promtext.MalformedExposition, match="^line 70001: labels not closed"):
+        promtext.sums(many, ["x"])
+    print(f"\n8 MiB page of tiny lines: {peak / 1e6:.1f} MB peak to refuse it")

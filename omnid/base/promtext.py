@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 FORMAT_VERSION = "0.0.4"  # the text format written (the X-Prometheus-Format header of /metrics)
 
@@ -254,6 +254,23 @@ def _quoted(line: str, i: int) -> tuple[int, str]:
     raise ValueError("label value not closed by '\"'")
 
 
+_BLOCK = 64 * 1024  # characters of a page split into lines at a time
+
+
+def _blocks(text: str) -> Iterator[list[str]]:
+    """The page's lines, a block of them at a time: a hostile page of 8 MiB of tiny lines
+    would otherwise be a list of millions of strings (splitlines: ~170 MB) before its first
+    line is judged. A line ends at \\n, the format's line end (a \\r before it is stripped with
+    the blanks)."""
+    start, end = 0, len(text)
+    while start < end:
+        stop = text.find("\n", start + _BLOCK)  # each block ends at a line's end
+        if stop < 0:
+            stop = end
+        yield text[start:stop].split("\n")
+        start = stop + 1
+
+
 def sums(text: str, names: Iterable[str]) -> dict[str, float | None]:
     """Each name's samples summed over their labels (NaN samples left out); None for a
     name with no sample at all. MalformedExposition for a line that cannot be read."""
@@ -261,18 +278,21 @@ def sums(text: str, names: Iterable[str]) -> dict[str, float | None]:
     totals = {n + "_total": n for n in wanted if not n.endswith("_total")}
     found: dict[str, float] = {}
     found_total: dict[str, float] = {}
-    for lineno, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            name, value = _sample(line)
-        except ValueError as exc:
-            raise MalformedExposition(f"line {lineno}: {exc}: {line[:80]!r}") from None
-        if math.isnan(value):
-            continue
-        if name in wanted:
-            found[name] = found.get(name, 0.0) + value
-        elif name in totals:
-            found_total[totals[name]] = found_total.get(totals[name], 0.0) + value
+    before = 0  # lines in the blocks before this one
+    for block in _blocks(text):
+        for k, raw in enumerate(block, before + 1):
+            line = raw.strip()
+            if not line or line[0] == "#":
+                continue
+            try:
+                name, value = _sample(line)
+            except ValueError as exc:
+                raise MalformedExposition(f"line {k}: {exc}: {line[:80]!r}") from None
+            if math.isnan(value):
+                continue
+            if name in wanted:
+                found[name] = found.get(name, 0.0) + value
+            elif name in totals:
+                found_total[totals[name]] = found_total.get(totals[name], 0.0) + value
+        before += len(block)
     return {n: found.get(n, found_total.get(n)) for n in wanted}

@@ -225,7 +225,8 @@ class Unit:
     """One runnable unit instance, with every %i / %n already expanded.
 
     Field names are the unit-file keys. `after` and `requires` hold full unit
-    names (a dependency on a template is expanded to all its instances).
+    names (a dependency on a template is expanded to all its instances). A field's
+    default is its key's default: the key table (omnid.model.keys) reads it from here.
     """
 
     name: str  # "worker@1", or "serve" for a single unit
@@ -236,7 +237,7 @@ class Unit:
     exec: tuple[str, ...]
     description: str = ""
     role: str = ""
-    title: str = "omnid: %n"  # "" = leave the process title alone
+    title: str = DEFAULT_TITLE  # "" = leave the process title alone
     after: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()
     cwd: str | None = None

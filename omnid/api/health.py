@@ -407,7 +407,10 @@ class HealthServer:
         if notify:
             f = page.counter("omnid_notify_datagrams_total", "notify datagrams received, accepted or dropped")
             for what, n in notify.items():
-                f.add(n, outcome=what)
+                if what != "paused":
+                    f.add(n, outcome=what)
+            page.counter("omnid_notify_paused_total", "times the notify socket was not read: fds from outside "
+                         "waited to be closed up to their cap").add(notify.get("paused", 0))
         store = getattr(self.sup, "fdstore", None)
         if store is not None:  # omnid.process.fdstore: what units handed over, and what was refused
             f = page.counter("omnid_fdstore_fds_total", "fds sent to the fd store, by outcome")
@@ -420,6 +423,8 @@ class HealthServer:
             f.add(cl[what], how=what)
         page.gauge("omnid_foreign_fd_closes_stuck", "closes of fds from outside under way for over a second").add(
             cl["stuck"])
+        page.gauge("omnid_foreign_fds_waiting", "fds from outside waiting for a closer thread (the notify socket "
+                   "is not read near queued_max)").add(cl["queued"])
         ch = getattr(self.sup, "crosshost", None)
         if ch is not None:  # worker groups across hosts (omnid.cluster)
             from omnid.cluster.metrics import write as cluster_metrics

@@ -38,7 +38,8 @@ class Monitors:
         self._watchdogs: dict[str, asyncio.TimerHandle] = {}
         # session id -> notify messages that arrived before the spawner's reply with its pid
         self.early: dict[int, list[dict[str, str]]] = {}
-        self._senders: dict[int, tuple[str | None, float]] = {}  # notify sender pid -> (unit, valid until)
+        # notify sender (its pidfd's inode, or its pid) -> (unit, valid until)
+        self._senders: dict[object, tuple[str | None, float]] = {}
         # unit -> why its readiness probe fails while it is active (/health: degraded)
         self.not_ready: dict[str, str] = {}
         self._reason_before: dict[str, str] = {}  # unit -> its reason before it was not ready
@@ -221,30 +222,56 @@ class Monitors:
                 return
 
     # ------------------------------------------------------------ sd_notify
-    def sender_unit(self, pid: int) -> str | None:
-        """The unit whose own process sent a notify datagram (by process group or session),
-        or None: anyone else's message is dropped by the notify socket."""
+    def sender_unit(self, pid: int, pidfd: int | None = None) -> str | None:
+        """The unit whose own process sent a notify datagram, or None: anyone else's message is
+        dropped by the notify socket. `pidfd` is the kernel's (SCM_PIDFD) for the sender: the
+        unit's main process is recognised by it even once reaped, and any other sender is
+        proven by /proc reads that are about it only if its pidfd still names that pid after
+        them (a pid or a process group number can be recycled; the process behind a pidfd
+        cannot). Without one (a kernel before 6.5), by the pid the kernel gave."""
         now = time.monotonic()
-        hit = self._senders.get(pid)
+        key = ("ino", linux.pidfd_inode(pidfd)) if pidfd is not None and linux.pidfd_inodes_unique() else pid
+        hit = self._senders.get(key)
         if hit is not None and hit[1] > now:
             return hit[0]  # a flood costs one /proc read per sender per second, not per datagram
-        unit = self._attribute(pid)
+        if pidfd is None:
+            unit = self._attribute(pid)
+        else:
+            unit = self._main_of(pidfd)
+            if unit is None and (pid := linux.pidfd_pid(pidfd) or 0) > 0:
+                unit = self._attribute(pid)
+                if unit is not None and linux.pidfd_pid(pidfd) != pid:
+                    unit = None  # reaped during the reads: they may be about whoever has the pid now
         if len(self._senders) > 4096:
             self._senders.clear()
-        self._senders[pid] = (unit, now + 1.0)
+        self._senders[key] = (unit, now + 1.0)
         return unit
+
+    def _main_of(self, pidfd: int) -> str | None:
+        """The unit whose main process the pidfd refers to (the kernel says, by pidfs inode)."""
+        for rt in self.sup.units.values():
+            if rt.proc is not None and rt.proc.pidfd >= 0 and linux.same_process(pidfd, rt.proc.pidfd):
+                return rt.name
+        return None
 
     def _attribute(self, pid: int) -> str | None:
         st = linux.read_stat(pid)
         if st is None:
             return None
         pending = False
+        owner, owner_start = None, -1
         for rt in self.sup.units.values():
             if rt.proc is not None:
-                if rt.proc.pgid in (st.pgid, st.sid):
-                    return rt.name
+                # A group's number is recycled once the unit's processes are gone (its death's
+                # cleanup can take 20 s), by a stranger's or the next unit's main process: a
+                # process of an instance started no earlier than it (of two, the later one's)
+                # and descends from our spawner.
+                if rt.proc.pgid in (st.pgid, st.sid) and owner_start < rt.proc.start_time <= st.start_time:
+                    owner, owner_start = rt, rt.proc.start_time
             elif rt.phase is Phase.SPAWNING:
                 pending = True
+        if owner is not None:
+            return owner.name if self._descends_from_spawner(pid) else None
         if pending:
             # READY=1 can come before the spawner's reply: the environment proves it ours.
             # Parentage first, and the environment read off the loop, bounded (omnid.process.tags):

@@ -50,7 +50,7 @@ from omnid.core.faults import ENV as FAULTS_ENV
 from omnid.core.faults import Faults
 from omnid.core.cleanup import UnitCleanup
 from omnid.core.supervisor import Supervisor
-from omnid.api.notify import NotifyServer
+from omnid.api.notify import NotifyServer, Sender
 from omnid.model.settings import DaemonConfig
 from omnid.process.spawnclient import SpawnerClient
 from omnid.api.systemd import ServiceNotifier
@@ -376,8 +376,8 @@ class Daemon(DaemonParts):
         log.info("signal received: stopping the stack in order", signal=linux.signal_name(sig))
         self.shutdown_requested.set()
 
-    def _notify_sender(self, pid: int) -> str | None:
-        return self.sup.monitors.sender_unit(pid) if self.sup is not None else None
+    def _notify_sender(self, sender: Sender) -> str | None:
+        return self.sup.monitors.sender_unit(sender.pid, sender.pidfd) if self.sup is not None else None
 
     def _on_fds(self, unit: str, fields: dict[str, str], fds: list[int]) -> None:
         if self.sup is None:  # nothing to keep them in yet

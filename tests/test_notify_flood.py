@@ -1,0 +1,432 @@
+"""Issue 34 item 4 (FM-38): no stranger can fill the daemon's fd table through the notify
+socket, and a notify sender is attributed by the kernel (SCM_PIDFD), never by a process
+group number that a recycled pid can share.
+
+The flood tests run a real daemon and an attacker that is no unit (a process of the test),
+and count the daemon's fds in /proc/DAEMON/fd while it floods. The attribution test drives
+real processes (a unit's main process, its child, and a stranger that got the dead main's
+pid number back through /proc/sys/kernel/ns_last_pid) through a real notify socket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import types
+import urllib.error
+import urllib.request
+
+import pytest
+
+from omnid.api.notify import NotifyServer, SCM_MAX_FD
+from omnid.base import closer, linux
+from omnid.core.lifecycle import Phase
+from omnid.core.monitors import Monitors
+from tests.harness import REPO, make_stack, repo_pythonpath, wait_for
+
+PY = sys.executable
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (pid recycling, any user's fds)")
+
+# The attacker: a local process that is no unit. It sends 16 TCP sockets whose close lingers
+# (one per closer thread), says so, waits for "go" on stdin, then sends N datagrams of PER
+# fds each (KIND: fresh memfds, or one end of a fresh socketpair), the daemon's copies the
+# last ones. Non-blocking: a send the kernel refuses (the daemon does not read) is counted
+# and retried until DEADLINE_S. On stdin's end it closes the lingering sockets' peers (the
+# daemon's lingering closes then end) and exits.
+ATTACKER = r'''
+import array, json, os, socket, struct, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from tests.harness import lingering_tcp_socket
+addr, linger, n, per, kind, deadline_s = "\0" + sys.argv[2][1:], int(sys.argv[3]), int(sys.argv[4]), \
+    int(sys.argv[5]), sys.argv[6], float(sys.argv[7])
+victim, kill_at, kill_t = int(sys.argv[8]), int(sys.argv[9]), None
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.setblocking(False)
+keep, lingering = [], 0
+while lingering < 16:
+    c, srv, peer = lingering_tcp_socket(linger)
+    keep += [srv, peer]
+    s.sendmsg([b"FDSTORE=1"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", c.fileno()))], 0, addr)
+    # Our close must not be the last one (it would linger here, not in the daemon): closed on
+    # a thread, and counted only when it returns at once (the daemon's copy then lingers).
+    t = threading.Thread(target=c.close, daemon=True)
+    t.start()
+    t.join(0.3)
+    lingering += not t.is_alive()
+print("lingering", flush=True)
+sys.stdin.readline()
+sent = refused = 0
+t0 = time.monotonic()
+while sent < n and time.monotonic() - t0 < deadline_s:
+    if kind == "memfd":
+        fds, mine = [os.memfd_create("flood") for _ in range(per)], []
+    else:
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM) for _ in range(per)]
+        fds, mine = [a.fileno() for a, _ in pairs], [x for p in pairs for x in p]
+    try:
+        s.sendmsg([b"FDSTORE=1"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())], 0, addr)
+        sent += 1
+        if sent == kill_at:
+            os.kill(victim, 9)
+            kill_t = time.monotonic()  # CLOCK_MONOTONIC: the test's clock too
+    except BlockingIOError:
+        refused += 1
+        time.sleep(0.005)
+    finally:
+        for fd in fds if kind == "memfd" else []:
+            os.close(fd)
+        for x in mine:
+            x.close()
+print(json.dumps({"sent": sent, "refused": refused, "seconds": round(time.monotonic() - t0, 3), "kill_t": kill_t,
+                  "end_t": time.monotonic()}), flush=True)
+sys.stdin.readline()
+for x in keep:
+    x.close()
+'''
+
+
+def daemon_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+class FdSampler:
+    """The daemon's fd count, read from /proc every 2 ms on a thread of the test."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self.samples = pid, 0, 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, daemon_fds(self.pid))
+                self.samples += 1
+            except OSError:
+                return
+            self._stop.wait(0.002)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join(5)
+        return self.peak
+
+
+class HealthSampler:
+    """GET /health back to back on a thread of the test: (start, end, code) of each, on
+    CLOCK_MONOTONIC."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.got = port, []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                    r.read()
+                    code = r.status
+            except urllib.error.HTTPError as e:
+                e.read()
+                code = e.code
+            except OSError:
+                code = 0
+            self.got.append((t0, time.monotonic(), code))
+
+    def stop(self) -> list[tuple[float, float, int]]:
+        self._stop.set()
+        self._t.join(10)
+        return self.got
+
+
+def health_ms(d) -> float:
+    t0 = time.monotonic()
+    with urllib.request.urlopen(f"http://127.0.0.1:{d.health_port}/health", timeout=5) as r:
+        r.read()
+    return (time.monotonic() - t0) * 1000
+
+
+def start_attacker(d, addr: str, n: int, per: int, kind: str, linger: int = 120, deadline_s: float = 60,
+                   victim: int = 0, kill_at: int = 0) -> subprocess.Popen:
+    a = subprocess.Popen([PY, "-c", ATTACKER, str(REPO), addr, str(linger), str(n), str(per), kind, str(deadline_s),
+                          str(victim), str(kill_at)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/",
+                         env=dict(os.environ, PYTHONPATH=repo_pythonpath()))
+    assert a.stdout is not None and a.stdout.readline().strip() == "lingering", "the attacker's 16 sockets sent"
+    # The precondition of FM-38: every closer thread stuck in a lingering close.
+    wait_for(lambda: d.ok("status")["daemon"]["foreign_fd_closes"]["stuck"] >= 16, 15,
+             lambda: f"16 closer threads stuck: {d.ok('status')['daemon']['foreign_fd_closes']}")
+    return a
+
+
+def finish_attacker(a: subprocess.Popen) -> None:
+    try:
+        assert a.stdin is not None
+        a.stdin.close()  # its peers closed: the daemon's lingering closes end
+    finally:
+        try:
+            a.wait(30)
+        except subprocess.TimeoutExpired:
+            a.kill()
+            a.wait(10)
+
+
+def notify_address(d, unit: str) -> str:
+    addr = linux.read_environ_var(d.wait_state(unit, "active")["pid"], "NOTIFY_SOCKET")
+    assert addr and addr.startswith("@"), addr
+    return addr
+
+
+VICTIM = 'exec = ["sleep", "1000"]\nfd_store_max = 1\nrestart = "always"\nrestart_sec = 1\n'
+
+
+def test_fm38_lingering_sockets_then_a_memfd_flood_leave_the_daemon_fds_bounded_and_fast(daemon_factory):
+    """FM-38: 16 lingering TCP sockets (every closer thread stuck), then 1,000 datagrams of
+    10 memfds from a process that is no unit, which SIGKILLs a unit at its 300th. The daemon's
+    fd count stays near where it was (memfds are closed where they arrive; before: 9,408
+    fds), /health answers in milliseconds throughout, the death shows on /health within a
+    second, and the unit restarts."""
+    d = daemon_factory(make_stack({"victim": VICTIM}))
+    addr = notify_address(d, "victim")
+    victim = d.unit("victim")
+    before = daemon_fds(d.pid)
+    a = start_attacker(d, addr, n=1000, per=10, kind="memfd", victim=victim["pid"], kill_at=300)
+    fds = FdSampler(d.pid)
+    health = HealthSampler(d.health_port)
+    try:
+        assert a.stdin is not None and a.stdout is not None
+        a.stdin.write("go\n")
+        a.stdin.flush()
+        ready, _, _ = select.select([a.stdout], [], [], 60)
+        assert ready, "the attacker's report"
+        flood = json.loads(a.stdout.readline())
+        back = wait_for(lambda: (u := d.unit("victim"))["state"] == "active" and u["pid"] != victim["pid"] and u,
+                        20, lambda: f"the victim back (unit {d.unit('victim')}, log:\n{d.log()[-2000:]})")
+        counters = wait_for(lambda: (c := d.ok("status")["daemon"]["notify"])["received"] >= 16 + 1000 and c, 30,
+                            lambda: f"every datagram read: {d.ok('status')['daemon']['notify']}")
+        got = health.stop()
+        peak = fds.stop()
+        after = daemon_fds(d.pid)
+        closes = d.ok("status")["daemon"]["foreign_fd_closes"]
+        during = [(t1 - t0) * 1000 for t0, t1, _ in got if t0 < flood["end_t"]]
+        dead = [t1 for t0, t1, code in got if code == 503 and t0 >= flood["kill_t"]]
+        print(f"\nFM-38: daemon fds before {before}, peak {peak} ({fds.samples} samples), after {after}; "
+              f"/health during the flood: {len(during)} answers, median {statistics.median(during):.1f} ms, "
+              f"max {max(during):.1f} ms; death on /health {(dead[0] - flood['kill_t']) * 1000 if dead else -1:.0f} ms "
+              f"after the SIGKILL; attacker {flood}; closes {closes}; notify {counters}")
+        assert flood["sent"] == 1000, flood
+        assert counters["dropped_foreign"] >= 1016 and counters["fds_closed"] >= 10016, counters
+        # By hand: ten memfds and a pidfd at a time, a few health and control connections.
+        assert peak <= before + 48, f"the daemon held {peak} fds during the flood ({before} before)"
+        assert after <= before + 8, f"{after} fds after the flood ({before} before)"
+        assert closes["stuck"] >= 16 and closes["queued"] == 0, closes
+        assert len(during) >= 3 and max(during) < 500, f"/health during the flood (ms): {during}"
+        assert dead and dead[0] - flood["kill_t"] < 1.0, \
+            f"the death was not on /health within a second: {[(t0 - flood['kill_t'], c) for t0, _, c in got][-20:]}"
+        assert back["pid"] != victim["pid"]
+    finally:
+        health.stop()
+        fds.stop()
+        finish_attacker(a)
+    wait_for(lambda: d.ok("status")["daemon"]["foreign_fd_closes"]["stuck"] == 0, 15,
+             lambda: f"the lingering closes ended with their peers: {d.ok('status')['daemon']['foreign_fd_closes']}")
+
+
+def test_past_the_cap_the_notify_socket_is_not_read_and_the_sender_waits(daemon_factory):
+    """With every closer thread stuck, fds whose close may wait (Unix sockets) pile up in the
+    closer's queue: past its cap the daemon stops reading the notify socket, so the sender's
+    datagrams stay in the kernel and its sends are refused (EAGAIN), while /health answers.
+    Once the stuck closes end, the queue drains, the socket is read again and every
+    datagram is taken."""
+    d = daemon_factory(make_stack({"victim": VICTIM}))
+    addr = notify_address(d, "victim")
+    before = daemon_fds(d.pid)
+    n, per = 30, 200  # 6,000 fds: six times the cap
+    a = start_attacker(d, addr, n=n, per=per, kind="unix", deadline_s=8)
+    sampler = FdSampler(d.pid)
+    try:
+        assert a.stdin is not None and a.stdout is not None
+        a.stdin.write("go\n")
+        a.stdin.flush()
+        notify = wait_for(lambda: (c := d.ok("status")["daemon"]["notify"])["paused"] >= 1 and c, 20,
+                          lambda: f"the notify socket paused: {d.ok('status')['daemon']} log:\n{d.log()[-2000:]}")
+        ready, _, _ = select.select([a.stdout], [], [], 30)
+        assert ready, "the attacker's report"
+        flood = json.loads(a.stdout.readline())
+        lat = [health_ms(d) for _ in range(10)]
+        held = daemon_fds(d.pid)
+        waiting = d.ok("status")["daemon"]["foreign_fd_closes"]
+        received_paused = d.ok("status")["daemon"]["notify"]["received"]
+        print(f"\ncap: daemon fds before {before}, peak {sampler.peak}, while paused {held}; attacker {flood}; "
+              f"closes {waiting}; notify {notify}; /health while paused max {max(lat):.1f} ms")
+        assert flood["refused"] > 0, f"the sender was never made to wait: {flood}"
+        assert received_paused - 16 < n, "every datagram was read: the daemon took them past its cap"
+        assert waiting["queued"] <= closer.MAX_WAITING, waiting
+        assert held <= before + closer.MAX_WAITING + SCM_MAX_FD + 8, f"{held} fds held ({before} before)"
+        assert max(lat) < 500, f"/health took {max(lat):.0f} ms while the notify socket was paused: {lat}"
+    finally:
+        finish_attacker(a)  # the lingering closes end: the closer threads drain the queue
+    c = wait_for(lambda: (c := d.ok("status")["daemon"]["notify"])["received"] >= 16 + flood["sent"] and c, 30,
+                 lambda: f"the rest read once the queue drained: {d.ok('status')['daemon']} log:\n{d.log()[-2000:]}")
+    peak = sampler.stop()
+    wait_for(lambda: daemon_fds(d.pid) <= before + 8, 15, lambda: f"the daemon's fds back: {daemon_fds(d.pid)}")
+    assert "notify socket read again" in d.log(), d.log()[-2000:]
+    assert peak <= before + closer.MAX_WAITING + SCM_MAX_FD + 8, f"peak {peak} fds ({before} before)"
+    print(f"cap: peak {peak}, notify {c}")
+
+
+# ------------------------------------------------------------------ attribution by the kernel
+# A unit's main process (a child of the test, which plays the spawner). On each stdin line:
+# "child": forks a child in its group that sends FDSTORE=1 FDNAME=child and stays (printing
+# its pid); "reap": reaps that child; "last": sends FDSTORE=1 FDNAME=last and exits at once.
+MAIN = r'''
+import array, os, socket, sys, time
+addr = "\0" + sys.argv[1][1:]
+def send(name):
+    m = os.memfd_create(name)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.sendmsg([b"FDSTORE=1\nFDNAME=" + name.encode()],
+              [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [m]).tobytes())], 0, addr)
+    s.close(); os.close(m)
+print("up", flush=True)
+for line in sys.stdin:
+    cmd = line.strip()
+    if cmd == "child":
+        pid = os.fork()
+        if pid == 0:
+            send("child")
+            time.sleep(1000)
+            os._exit(0)
+        print(pid, flush=True)
+    elif cmd == "reap":
+        os.wait()
+        print("reaped", flush=True)
+    elif cmd == "last":
+        send("last")
+        os._exit(0)
+'''
+
+# A stranger that gets pid TARGET: the first process writes TARGET - 1 to ns_last_pid and
+# forks; its child (the candidate) exits unless it got TARGET; the first exits at once, so the
+# candidate is nobody's descendant of the test's. The candidate waits to be re-parented, makes
+# a session (its group and session number: TARGET), sends FDSTORE=1 FDNAME=stranger with a
+# memfd, says so in OUT and waits to be killed.
+STRANGER = r'''
+import array, os, socket, sys, time
+target, addr, out = int(sys.argv[1]), "\0" + sys.argv[2][1:], sys.argv[3]
+me = os.getpid()
+with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+    f.write(str(target - 1))
+pid = os.fork()
+if pid:
+    os._exit(0)
+if os.getpid() != target:
+    open(out, "w").write("missed %d" % os.getpid())
+    os._exit(0)
+deadline = time.monotonic() + 10
+while os.getppid() == me and time.monotonic() < deadline:
+    time.sleep(0.001)
+os.setsid()
+m = os.memfd_create("stranger")
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.sendmsg([b"FDSTORE=1\nFDNAME=stranger"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [m]).tobytes())],
+          0, addr)
+open(out + ".tmp", "w").write("sent %d %d %d" % (os.getpid(), os.getpgid(0), os.getsid(0)))
+os.rename(out + ".tmp", out)
+time.sleep(1000)
+'''
+
+
+def test_a_stranger_with_a_dead_units_process_group_number_is_not_attributed(tmp_path):
+    """The unit's main process is held by its pidfd; once it is dead and reaped a stranger
+    gets its pid back (ns_last_pid) and makes a session, so its process group and session
+    number are the unit's. Its FDSTORE=1 is dropped (its fds never reach the store, so never
+    the next instance); the unit's own messages are taken: its child's, and its main
+    process's last one, read after the main process was reaped (the kernel's pidfd names it)."""
+    stored: list[tuple[str, str]] = []
+
+    def on_fds(unit: str, fields: dict[str, str], fds: list[int]) -> None:
+        stored.append((unit, fields.get("FDNAME", "")))
+        for fd in fds:
+            os.close(fd)
+
+    units: dict[str, types.SimpleNamespace] = {}
+    sup = types.SimpleNamespace(units=units, spawner=types.SimpleNamespace(pid=os.getpid()), token="t")
+    monitors = Monitors(sup)  # type: ignore[arg-type]
+    srv = NotifyServer(os.urandom(8).hex(), lambda pid, f: None, on_fds=on_fds,
+                       attribute=lambda s: monitors.sender_unit(s.pid, s.pidfd))
+    if not srv.pidfds:
+        srv.sock.close()
+        pytest.skip("the kernel attaches no pidfd to a datagram (SO_PASSPIDFD, Linux 6.5)")
+    main = subprocess.Popen([PY, "-c", MAIN, srv.address], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    stranger_pid = 0
+    pidfd = -1
+    try:
+        assert main.stdin is not None and main.stdout is not None
+        assert main.stdout.readline().strip() == "up"
+        pidfd = os.pidfd_open(main.pid)
+        proc = types.SimpleNamespace(pid=main.pid, pidfd=pidfd, pgid=main.pid, start_time=linux.start_time_of(main.pid))
+        units["u"] = types.SimpleNamespace(name="u", proc=proc, phase=Phase.IDLE)
+
+        def read(what: str) -> None:
+            wait_for(lambda: select.select([srv.sock], [], [], 0)[0], 10, f"{what}'s datagram")
+            srv._readable()
+
+        main.stdin.write("child\n")
+        main.stdin.flush()
+        child = int(main.stdout.readline())
+        read("the child")
+        os.kill(child, signal.SIGKILL)
+        main.stdin.write("reap\n")
+        main.stdin.flush()
+        assert main.stdout.readline().strip() == "reaped"
+        main.stdin.write("last\n")
+        main.stdin.flush()
+        main.wait(10)  # reaped before its datagram is read
+        read("the main process's last")
+        assert stored == [("u", "child"), ("u", "last")], (stored, srv.counters)
+
+        # The dead main's number, recycled by a stranger that makes it its group and session.
+        out = tmp_path / "stranger"
+        for _ in range(200):
+            out.unlink(missing_ok=True)
+            subprocess.run([PY, "-c", STRANGER, str(main.pid), srv.address, str(out)], timeout=10, check=True)
+            got = wait_for(lambda: out.exists() and out.read_text(), 10, "the stranger's report")
+            if got.startswith("sent"):
+                break
+        else:
+            pytest.fail(f"pid {main.pid} was never handed out again in 200 tries (last: {got})")
+        stranger_pid, pgid, sid = map(int, got.split()[1:])
+        st = linux.read_stat(stranger_pid)
+        assert st is not None and (st.pgid, st.sid) == (main.pid, main.pid), \
+            f"the stranger holds the unit's group and session numbers: {st}"
+        foreign = srv.counters["dropped_foreign"]
+        read("the stranger")
+        assert srv.counters["dropped_foreign"] == foreign + 1, srv.counters
+        assert stored == [("u", "child"), ("u", "last")], f"the stranger's fds reached the store: {stored}"
+    finally:
+        if stranger_pid:
+            pfd = linux.pidfd_if(stranger_pid, lambda: True)
+            if pfd is not None:
+                linux.pidfd_send_signal(pfd, signal.SIGKILL)
+                wait_for(lambda: linux.pidfd_exited(pfd), 10, "the stranger's end")
+                os.close(pfd)
+        if main.poll() is None:
+            main.kill()
+        main.wait(10)
+        if pidfd >= 0:
+            os.close(pidfd)
+        srv.sock.close()

@@ -240,3 +240,29 @@ def test_fm_deaths_fail_in_ms_and_the_daemon_exits_in_its_bound_while_an_orphan_
             wait_for(lambda: linux.read_stat(holder_pid) is None or linux.read_stat(holder_pid).state == "Z",
                      10, f"holder {holder_pid} gone")
         assert mmlock.join_readers() == []
+
+
+@pytest.mark.parametrize("spawner_is_parent", [False, True], ids=["stranger", "descendant-of-the-spawner"])
+def test_fm_a_notify_datagram_from_a_held_process_is_answered_within_the_bound(held, spawner_is_parent):
+    """A sender in no unit's group while a spawn is in flight: its parentage is read (no lock of
+    its own), and only a descendant of the spawner has its tags read, bounded. Before, every
+    such sender's environment was read first, on the loop."""
+    import threading
+
+    from omnid.core.lifecycle import Phase
+    from omnid.core.monitors import Monitors
+
+    pending = SimpleNamespace(name="engine", proc=None, phase=Phase.SPAWNING)
+    sup = SimpleNamespace(units={"engine": pending}, token="tok",
+                          spawner=SimpleNamespace(pid=os.getpid() if spawner_is_parent else 0))
+    m = Monitors(sup)  # type: ignore[arg-type]
+    out: list = []
+    t0 = time.monotonic()
+    t = threading.Thread(target=lambda: out.append(m.on_notify(held.pid, {"READY": "1"})), daemon=True)
+    t.start()
+    t.join(2.0)
+    took = time.monotonic() - t0
+    print(f"on_notify from the held process: {took * 1000:.1f} ms")
+    assert out == [None], f"on_notify still out after {took:.1f} s" if not out else out
+    assert took < 0.5, took
+    assert m.early == {}

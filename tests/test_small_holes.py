@@ -429,3 +429,12 @@ def test_a_spawn_as_another_user_asks_nss_nothing_on_the_loop(monkeypatch, tmp_p
             sup.sockets.close_all()  # insup's supervisor has no daemon to close them
 
     insup.run({"u": unit}, body)
+
+
+def test_the_fake_sysfs_switch_is_ignored_outside_the_test_suite(tmp_path: Path, monkeypatch) -> None:
+    from omnid.process import numa
+
+    monkeypatch.setenv(numa.SYSFS_ROOT_ENV, str(tmp_path))
+    assert numa.sysfs_root() == str(tmp_path)  # the suite's own opt-in
+    monkeypatch.setenv(testswitch.OPT_IN_ENV, "")
+    assert numa.sysfs_root() == "/"

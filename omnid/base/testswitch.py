@@ -1,6 +1,6 @@
 """The one gate for omnid's test switches: environment variables that make the daemon do what
-production must never do (raise in an action, corrupt its re-exec record, read GPUs from a
-file). Each is obeyed only when omnid's own test harness started the daemon -- it sets
+production must never do (raise in an action, corrupt its re-exec record, read GPUs or the
+NUMA topology from files). Each is obeyed only when omnid's own test harness started the daemon -- it sets
 OPT_IN_ENV -- and the daemon is not a systemd service, a Kubernetes container or a Slurm
 job, where a variable set by mistake (an inherited environment, a copied manifest) would
 otherwise decide what a production host does.
@@ -22,12 +22,14 @@ OPT_IN_ENV = "OMNID_TEST_SUITE"  # "1": set by tests/harness.py, never by anythi
 INJECT_FAULT_ENV = "OMNID_TEST_INJECT_FAULT"  # omnid.core.faults: one action raises once
 FAULT_HANDOVER_ENV = "OMNID_FAULT_HANDOVER"  # omnid.daemon.record: "corrupt" writes an unreadable record
 FAKE_GPU_ENV = "OMNID_DEVELOPER_FAKE_GPU"  # omnid.gpu.fake: GPUs read from a JSON file
+SYSFS_ROOT_ENV = "OMNID_SYSFS_ROOT"  # omnid.process.numa: the NUMA topology read from a fake tree
 
 # Every switch, and what it would do if obeyed (for the refusal's log line).
 SWITCHES = {
     INJECT_FAULT_ENV: "makes an action of the supervisor raise",
     FAULT_HANDOVER_ENV: "corrupts the re-exec record",
     FAKE_GPU_ENV: "replaces the real GPUs with a file",
+    SYSFS_ROOT_ENV: "reads the NUMA topology from a fake tree",
 }
 
 

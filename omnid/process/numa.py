@@ -15,8 +15,9 @@ A MIG device UUID names a slice of a GPU; the GPU is found from the old MIG form
 ("MIG-GPU-<GPU UUID>/GI/CI") directly, from the new one ("MIG-<UUID>") through NVML when
 nvidia-ml-py is installed and a driver answers.
 
-Test hook: OMNID_SYSFS_ROOT=DIR reads DIR/sys/... and DIR/proc/driver/... instead of /sys and
-/proc (a fake tree; omnid(8), ENVIRONMENT). What this process may use (its CPU affinity, its
+Test switch (omnid.base.testswitch: obeyed only in omnid's test suite): OMNID_SYSFS_ROOT=DIR
+reads DIR/sys/... and DIR/proc/driver/... instead of /sys and /proc (a fake tree; omnid(8),
+ENVIRONMENT). What this process may use (its CPU affinity, its
 cpuset's memory nodes) is always read from the real kernel: a placement never names a CPU or
 node the spawner could not set.
 
@@ -35,9 +36,10 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from omnid.base import testswitch
 from omnid.model.unitmodel import GpuRef, NumaMode, Unit
 
-SYSFS_ROOT_ENV = "OMNID_SYSFS_ROOT"
+SYSFS_ROOT_ENV = testswitch.SYSFS_ROOT_ENV
 
 # set_mempolicy(2) modes (linux/mempolicy.h).
 MPOL_PREFERRED = 1
@@ -164,7 +166,7 @@ def format_list(items: Iterable[int]) -> str:
 
 
 def sysfs_root() -> str:
-    return os.environ.get(SYSFS_ROOT_ENV) or "/"
+    return testswitch.value(SYSFS_ROOT_ENV) or "/"
 
 
 def _read(root: str, path: str, limit: int = 65536) -> str:

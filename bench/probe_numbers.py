@@ -13,9 +13,11 @@ Variants:
 - shared:   one aiohttp.ClientSession for every probe, TCPConnector(force_close=True)
             (a fresh connection per probe, as a probe must prove), body read with a cap;
 - pooled:   the same with keep-alive (a deliberate pool), for reference only;
-- session:  a new ClientSession (and connector) per probe, closed after it.
+- session:  a new ClientSession (and connector) per probe, closed after it;
+- baseline: with --baseline FILE, the http_request of another probes.py (e.g. an older one:
+            git show REV:omnid/core/probes.py > /tmp/probes_old.py), for before/after.
 
-Run: .venv/bin/python -m bench.probe_numbers [--rounds 15] [--per-round 100]
+Run: .venv/bin/python -m bench.probe_numbers [--rounds 15] [--per-round 100] [--baseline FILE]
 """
 
 from __future__ import annotations
@@ -69,7 +71,18 @@ def session_for(force_close: bool) -> aiohttp.ClientSession:
                                  headers={"User-Agent": "omnid-probe"})
 
 
-async def run(rounds: int, per_round: int, port: int) -> dict[tuple[str, str], list[tuple[float, float]]]:
+def load_baseline(path: str):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("probes_baseline", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+async def run(rounds: int, per_round: int, port: int,
+              baseline=None) -> dict[tuple[str, str], list[tuple[float, float]]]:
     shared, pooled = session_for(True), session_for(False)
 
     async def v_probes(url: str) -> bytes:
@@ -86,6 +99,10 @@ async def run(rounds: int, per_round: int, port: int) -> dict[tuple[str, str], l
             return await aiohttp_get(s, url)
 
     variants = {"probes": v_probes, "shared": v_shared, "pooled": v_pooled, "session": v_session}
+    if baseline is not None:
+        async def v_baseline(url: str) -> bytes:
+            return (await baseline.http_request(url, 2, read_body=CAP, body_exact=True)).body
+        variants["baseline"] = v_baseline
     out: dict[tuple[str, str], list[tuple[float, float]]] = {}
     try:
         for path in ("/health", "/metrics"):
@@ -110,12 +127,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--per-round", type=int, default=100)
+    ap.add_argument("--baseline", help="another probes.py to compare (before/after)")
     args = ap.parse_args()
     port = free_port()
     server = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None and server.stdout.readline().strip() == "up", "the server did not start"
-        got = asyncio.run(run(args.rounds, args.per_round, port))
+        got = asyncio.run(run(args.rounds, args.per_round, port,
+                              load_baseline(args.baseline) if args.baseline else None))
     finally:
         server.terminate()
         server.wait(10)

@@ -40,7 +40,7 @@ def refusal(environ: Mapping[str, str] | None = None) -> str | None:
     # started under a CI runner that is itself a service inherits it with another pid.
     # Before systemd 248 (no SYSTEMD_EXEC_PID): a service's main process is a child of pid 1.
     if env.get("SYSTEMD_EXEC_PID") == str(os.getpid()) or (env.get("INVOCATION_ID") and os.getppid() == 1):
-        return "omnid runs as a systemd service, where GPUs are real; unset it in the service's environment"
+        return "omnid runs as a systemd service (a production host); unset it in the service's environment"
     if env.get("KUBERNETES_SERVICE_HOST"):
         return "omnid runs in a Kubernetes pod (KUBERNETES_SERVICE_HOST is set); unset it in the pod's spec"
     if env.get("SLURM_JOB_ID"):

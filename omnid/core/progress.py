@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import structlog
@@ -32,10 +33,11 @@ from omnid.model.unitmodel import Canary, Progress
 log = structlog.get_logger("omnid.supervisor")
 
 SCRAPE_MAX_BYTES = 8 << 20  # a metrics page bigger than this is a failed scrape
-# A page over this is parsed on a worker thread: promtext.sums reads ~6 MB/s on the project's
-# 2-core VM, so a page at the cap held the loop (every death it sees) for ~1.5 s. A vLLM page
-# is ~20-200 KB: parsed on the loop in 1-30 ms, no thread hop.
+# A page over this is parsed on a worker thread, one such page at a time: promtext.sums reads
+# ~6 MB/s on the project's 2-core VM, so a page at the cap held the loop (every death it sees)
+# for ~1.5 s. A page up to this size is parsed on the loop (~45 ms at most), no thread hop.
 PARSE_ON_LOOP_MAX = 256 << 10
+_big_parses: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
 SCRAPE_TIMEOUT_MAX_S = 5.0
 
 
@@ -151,7 +153,12 @@ async def scrape(rule: Progress) -> tuple[float | None, dict[str, float | None]]
         if len(answer.body) <= PARSE_ON_LOOP_MAX:
             got = _sums(answer.body, names)
         else:
-            got = await asyncio.get_running_loop().run_in_executor(None, _sums, answer.body, names)
+            # One at a time: the loop's shared worker threads are also the GPU reads' and a
+            # stop's process walks, which must not queue behind several big pages.
+            loop = asyncio.get_running_loop()
+            one = _big_parses.setdefault(loop, asyncio.Semaphore(1))
+            async with one:
+                got = await loop.run_in_executor(None, _sums, answer.body, names)
     except promtext.MalformedExposition as exc:
         raise probes.ProbeFailed(f"GET {rule.metrics}: not Prometheus text: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - a gap in the page's reader fails this scrape, not the monitor

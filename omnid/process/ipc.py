@@ -502,7 +502,7 @@ def _sysv_candidates(u: UnitIpc) -> list[SysvObject]:
                 continue
             if user is None:
                 user = proof.own_user(user_facts(u.uid))
-                if not user:
+                if not user and u.uid != 0:  # root's are never a unit's: no need to say so at every death
                     log.info("System V queues and semaphore sets of the unit's user are not its own to remove",
                              unit=u.unit, why=user.reason)
             if proof.sysv_keyed(kind, inst, r, user):

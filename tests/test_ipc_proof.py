@@ -1,0 +1,270 @@
+"""An IPC object is a unit's only on kernel proof that one of its processes created it
+(omnid.process.proof; omnid.unit(5) `remove_ipc`; FAILURE_MATRIX FM-36). Real objects made
+with libc's msgget/semget/shmget, used and made by real processes, checked in
+/proc/sysvipc and /dev/shm: what the kernel shows, never omnid's bookkeeping alone.
+
+- FM-36: a root unit that only *used* another root service's System V queue, semaphore set
+  and segment leaves them; what it created itself (a segment, a /dev/shm entry) goes.
+- Queues and semaphore sets (no creator pid in the kernel) are a unit's only when its user
+  is a user of its own (not root, not a system user, nothing else of it alive), as systemd's
+  RemoveIPC=: checked with a spare uid's real processes and objects.
+- A /dev/shm entry's creator is tied to a unit by facts that take none of its locks; a
+  creator whose memory lock is held for good neither stalls the listener nor its stop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.harness import make_stack, temp_dir, wait_for
+
+PY = sys.executable
+SYS_PY = "/usr/bin/python3"  # another user runs it (the venv's interpreter may be root's alone)
+ROOT = os.geteuid() == 0
+pytestmark = pytest.mark.skipif(not ROOT, reason="System V objects of root and fanotify need root")
+
+IPC_CREAT, IPC_EXCL, IPC_RMID = 0o1000, 0o2000, 0
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.shmat.restype = ctypes.c_void_p
+_libc.shmctl.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+_libc.msgctl.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+_libc.semctl.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+
+
+def rows(kind: str) -> dict[int, dict[str, str]]:
+    """id -> its row in /proc/sysvipc/KIND (shm, msg, sem)."""
+    with open(f"/proc/sysvipc/{kind}") as f:
+        lines = f.read().splitlines()
+    head = lines[0].split()
+    idkey = {"shm": "shmid", "msg": "msqid", "sem": "semid"}[kind]
+    return {int(r[idkey]): r for r in (dict(zip(head, ln.split())) for ln in lines[1:] if ln.strip())}
+
+
+def rmid(kind: str, ident: int) -> None:
+    """What a test made, removed by the test (a failing test must not leave it)."""
+    if ident in rows(kind):
+        rc = _libc.semctl(ident, 0, IPC_RMID) if kind == "sem" else \
+            {"shm": _libc.shmctl, "msg": _libc.msgctl}[kind](ident, IPC_RMID, None)
+        assert rc == 0 or ctypes.get_errno() in (22, 43), os.strerror(ctypes.get_errno())  # EINVAL, EIDRM: gone
+
+
+def key_for(n: int) -> int:
+    return 0x6F6D0000 | ((os.getpid() * 8 + n) & 0xFFFF)
+
+
+class Service:
+    """Another root service's queue, semaphore set and segment (as `ipcmk -Q -S 1 -M 4096`),
+    made by the test itself; removed by close()."""
+
+    def __init__(self) -> None:
+        self.made: list[tuple[str, int]] = []
+        self.keys = {k: key_for(i) for i, k in enumerate(("msg", "sem", "shm"))}
+        try:
+            for kind, get in (("msg", lambda k: _libc.msgget(k, IPC_CREAT | IPC_EXCL | 0o600)),
+                              ("sem", lambda k: _libc.semget(k, 1, IPC_CREAT | IPC_EXCL | 0o600)),
+                              ("shm", lambda k: _libc.shmget(k, 4096, IPC_CREAT | IPC_EXCL | 0o600))):
+                ident = get(self.keys[kind])
+                assert ident >= 0, f"{kind}get: {os.strerror(ctypes.get_errno())}"
+                self.made.append((kind, ident))
+        except BaseException:
+            self.close()
+            raise
+        self.ids = dict(self.made)
+
+    def close(self) -> None:
+        for kind, ident in self.made:
+            rmid(kind, ident)
+
+
+# use KEYS: sends on the queue, operates on the semaphore, attaches and detaches the segment
+# (all of another service's); then makes a segment and a /dev/shm entry of its own, prints
+# "done <own segment id>", and sleeps.
+USER = r"""
+import ctypes, ctypes.util, json, os, sys, time
+libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+libc.shmdt.argtypes = [ctypes.c_void_p]
+keys = json.loads(sys.argv[1])
+msq = libc.msgget(keys["msg"], 0)
+sem = libc.semget(keys["sem"], 0, 0)
+shm = libc.shmget(keys["shm"], 0, 0)
+assert min(msq, sem, shm) >= 0, os.strerror(ctypes.get_errno())
+class Msg(ctypes.Structure):
+    _fields_ = [("mtype", ctypes.c_long), ("mtext", ctypes.c_char * 8)]
+m = Msg(1, b"hello")
+assert libc.msgsnd(msq, ctypes.byref(m), 8, 0) == 0, os.strerror(ctypes.get_errno())
+class SemBuf(ctypes.Structure):
+    _fields_ = [("sem_num", ctypes.c_ushort), ("sem_op", ctypes.c_short), ("sem_flg", ctypes.c_short)]
+assert libc.semop(sem, ctypes.byref(SemBuf(0, 1, 0)), 1) == 0, os.strerror(ctypes.get_errno())
+addr = libc.shmat(shm, None, 0)
+assert addr != ctypes.c_void_p(-1).value, os.strerror(ctypes.get_errno())
+assert libc.shmdt(addr) == 0
+own = libc.shmget(0, 1 << 16, 0o1000 | 0o600)  # IPC_PRIVATE: its own segment
+assert own >= 0, os.strerror(ctypes.get_errno())
+fd = os.open("/dev/shm/" + sys.argv[2], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+os.ftruncate(fd, 4096)
+os.close(fd)
+print("done", own, flush=True)
+time.sleep(1000)
+"""
+
+
+def script(text: str, name: str) -> str:
+    """A program every user can read (pytest's tmp_path is root's alone)."""
+    d = temp_dir("omt-prog-")
+    os.chmod(d, 0o755)
+    p = d / name
+    p.write_text(text)
+    os.chmod(p, 0o644)
+    return str(p)
+
+
+def used_by(pid: int, svc: Service) -> bool:
+    """The kernel shows the unit's use of each of the service's objects."""
+    msg, shm = rows("msg").get(svc.ids["msg"]), rows("shm").get(svc.ids["shm"])
+    semop_pid = _libc.semctl(svc.ids["sem"], 0, 11)  # GETPID: the last operator
+    return bool(msg and shm and msg["lspid"] == str(pid) and shm["lpid"] == str(pid) and semop_pid == pid)
+
+
+def test_fm36_a_root_unit_leaves_what_it_only_used_and_its_own_objects_go(daemon_factory):
+    """FM-36: a root unit sends on another root service's message queue, operates on its
+    semaphore set, attaches to and detaches from its segment, makes a segment and a /dev/shm
+    entry of its own, and is SIGKILLed. Its own segment and entry go; the service's three
+    objects stay (before, all three went: "used by one of the unit's pids" was the proof,
+    and every root object is owned and created by root)."""
+    svc = Service()
+    name = f"omtfm36_{os.getpid()}"
+    prog = script(USER, "fm36_user.py")
+    own: list[int] = []
+    try:
+        d = daemon_factory(make_stack({"user": f"exec = {json.dumps([PY, prog, json.dumps(svc.keys), name])}\n"
+                                               "stop_timeout = 5\n"}))
+        pid = d.wait_state("user", "active")["pid"]
+        wait_for(lambda: used_by(pid, svc) and os.path.exists(f"/dev/shm/{name}")
+                 and [i for i, r in rows("shm").items() if r["cpid"] == str(pid)], 20,
+                 lambda: f"the unit to use the service's objects and make its own (log:\n{d.log()[-2000:]})")
+        own = [i for i, r in rows("shm").items() if r["cpid"] == str(pid)]
+        before = {k: rows(k)[svc.ids[k]] for k in ("msg", "sem", "shm")}
+        os.kill(pid, signal.SIGKILL)
+        # The removal that takes the unit's own objects is the one that would have taken the
+        # service's: once it named them, it is over.
+        u = wait_for(lambda: (u := d.unit("user"))["ipc_removed"] and u, 15,
+                     lambda: f"the unit's own objects to be removed (log:\n{d.log()[-3000:]})")
+        assert not os.path.exists(f"/dev/shm/{name}"), "the unit's own /dev/shm entry is left"
+        assert not set(own) & set(rows("shm")), f"the unit's own segment {own} is left"
+        assert sorted(x.split(" id ")[0] if "System V" in x else x.split(" /")[0] for x in u["ipc_removed"]) \
+            == ["POSIX shm", "System V shm"], u["ipc_removed"]
+        for kind in ("msg", "sem", "shm"):
+            now = rows(kind).get(svc.ids[kind])
+            assert now is not None, (f"the other service's {kind} id {svc.ids[kind]} was removed "
+                                     f"(removed: {u['ipc_removed']}; log:\n{d.log()[-3000:]})")
+            assert now["key"] == before[kind]["key"], (now, before[kind])
+        print(f"\nremoved: {u['ipc_removed']}; kept the service's msg {svc.ids['msg']}, sem {svc.ids['sem']}, "
+              f"shm {svc.ids['shm']}")
+    finally:
+        svc.close()
+        for i in own:
+            rmid("shm", i)
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")
+
+
+# make: a message queue and a semaphore set of the user it runs as (IPC_PRIVATE), their ids on
+# stdout; then sleeps until stdin closes (or exits at once with "exit").
+MAKE_KEYED = r"""
+import ctypes, ctypes.util, os, sys
+libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+msq = libc.msgget(0, 0o1000 | 0o600)
+sem = libc.semget(0, 2, 0o1000 | 0o600)
+assert min(msq, sem) >= 0, os.strerror(ctypes.get_errno())
+print(msq, sem, flush=True)
+if sys.argv[1:] != ["exit"]:
+    sys.stdin.read()
+"""
+
+SPARE_UID = 60123  # no passwd entry here (checked): a user of its own for the test's length
+
+
+def spare_uid() -> int:
+    import pwd
+
+    try:
+        pwd.getpwuid(SPARE_UID)
+    except KeyError:
+        pass
+    else:
+        pytest.skip(f"uid {SPARE_UID} is someone's here")
+    if any(os.path.exists(p) for p in (f"/run/systemd/users/{SPARE_UID}", f"/run/user/{SPARE_UID}")):
+        pytest.skip(f"uid {SPARE_UID} has a session here")
+    return SPARE_UID
+
+
+def test_queues_and_semaphores_of_a_user_of_its_own_go_only_once_nothing_of_it_lives():
+    """A unit running as a user of its own (uid 60123: not root, not a system user) made a
+    queue and a semaphore set, which carry no creator pid. While any process of that user
+    lives, they are not proven the unit's and stay; once none does, they go. The same objects
+    of root, or of a system user, never go (the rule is the user, not who used them)."""
+    from omnid.process import ipc
+
+    uid = spare_uid()
+    prog = script(MAKE_KEYED, "make_keyed.py")
+    since = time.time()
+    made: list[tuple[str, int]] = []
+    lingering = subprocess.Popen([SYS_PY, prog], user=uid, group=uid, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True, cwd="/")
+    try:
+        msq, sem = map(int, lingering.stdout.readline().split())
+        made += [("msg", msq), ("sem", sem)]
+        # The unit's own process made them and is gone; another process of the user lives.
+        u = ipc.UnitIpc("keyed", uid, since)
+        removed, kept = ipc.remove_sysv(u)
+        assert removed == [] and kept == [], (removed, kept)
+        assert msq in rows("msg") and sem in rows("sem"), "removed while a process of the user lives"
+        lingering.stdin.close()
+        lingering.wait(10)
+        removed, kept = ipc.remove_sysv(u)
+        assert sorted(x.split(" (")[0] for x in removed) == [f"System V msg id {msq}", f"System V sem id {sem}"], \
+            (removed, kept, rows("msg").get(msq), rows("sem").get(sem))
+        assert msq not in rows("msg") and sem not in rows("sem")
+        # Root's and a system user's are never a user of its own's, whoever is alive.
+        for owner in (0, 999):
+            p = subprocess.run([SYS_PY, prog, "exit"], user=owner, group=owner, capture_output=True, text=True,
+                               cwd="/", timeout=30)
+            m, s = map(int, p.stdout.split())
+            made += [("msg", m), ("sem", s)]
+            removed, kept = ipc.remove_sysv(ipc.UnitIpc("keyed", owner, since))
+            assert not [x for x in removed if f" id {m} " in x or f" id {s} " in x], (owner, removed)
+            assert m in rows("msg") and s in rows("sem"), f"uid {owner}'s objects were removed"
+    finally:
+        if lingering.poll() is None:
+            lingering.kill()
+            lingering.wait(10)
+        lingering.stdout.close()
+        if lingering.stdin and not lingering.stdin.closed:
+            lingering.stdin.close()
+        for kind, ident in made:
+            rmid(kind, ident)
+
+
+def test_own_user_rule_by_hand():
+    """The rule's table, written by hand: only a uid above the system range, not nobody's,
+    with no session and nothing alive, is a user of its own."""
+    from omnid.process.proof import UserFacts, own_user
+
+    assert not own_user(UserFacts(0, 999, 0, False)), "root"
+    assert not own_user(UserFacts(998, 999, 0, False)), "a system user"
+    assert not own_user(UserFacts(65534, 999, 0, False)), "nobody"
+    assert not own_user(UserFacts(1000, 999, 1, False)), "a process of it lives"
+    assert not own_user(UserFacts(1000, 999, 0, True)), "a login session"
+    assert not own_user(UserFacts(1000, 999, None, False)), "not counted in time"
+    assert own_user(UserFacts(1000, 999, 0, False))
+    assert "system user" in own_user(UserFacts(998, 999, 0, False)).reason

@@ -50,8 +50,9 @@ addr, linger, n, per, kind, deadline_s = "\0" + sys.argv[2][1:], int(sys.argv[3]
 victim, kill_at, kill_t = int(sys.argv[8]), int(sys.argv[9]), None
 s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
 s.setblocking(False)
-keep, lingering = [], 0
+keep, lingering, tries = [], 0, 0
 while lingering < 16:
+    tries += 1
     c, srv, peer = lingering_tcp_socket(linger)
     keep += [srv, peer]
     s.sendmsg([b"FDSTORE=1"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", c.fileno()))], 0, addr)
@@ -61,7 +62,7 @@ while lingering < 16:
     t.start()
     t.join(0.3)
     lingering += not t.is_alive()
-print("lingering", flush=True)
+print("lingering", tries, flush=True)
 sys.stdin.readline()
 sent = refused = 0
 t0 = time.monotonic()
@@ -159,16 +160,19 @@ def health_ms(d) -> float:
 
 
 def start_attacker(d, addr: str, n: int, per: int, kind: str, linger: int = 120, deadline_s: float = 60,
-                   victim: int = 0, kill_at: int = 0) -> subprocess.Popen:
+                   victim: int = 0, kill_at: int = 0) -> tuple[subprocess.Popen, int]:
+    """The attacker, once every closer thread is stuck, and how many datagrams it sent for that."""
     a = subprocess.Popen([PY, "-c", ATTACKER, str(REPO), addr, str(linger), str(n), str(per), kind, str(deadline_s),
                           str(victim), str(kill_at)],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/",
                          env=dict(os.environ, PYTHONPATH=repo_pythonpath()))
-    assert a.stdout is not None and a.stdout.readline().strip() == "lingering", "the attacker's 16 sockets sent"
+    assert a.stdout is not None
+    said = a.stdout.readline().split()
+    assert said[:1] == ["lingering"], f"the attacker's 16 sockets sent: {said}"
     # The precondition of FM-38: every closer thread stuck in a lingering close.
     wait_for(lambda: d.ok("status")["daemon"]["foreign_fd_closes"]["stuck"] >= 16, 15,
              lambda: f"16 closer threads stuck: {d.ok('status')['daemon']['foreign_fd_closes']}")
-    return a
+    return a, int(said[1])
 
 
 def finish_attacker(a: subprocess.Popen) -> None:
@@ -202,7 +206,7 @@ def test_fm38_lingering_sockets_then_a_memfd_flood_leave_the_daemon_fds_bounded_
     addr = notify_address(d, "victim")
     victim = d.unit("victim")
     before = daemon_fds(d.pid)
-    a = start_attacker(d, addr, n=1000, per=10, kind="memfd", victim=victim["pid"], kill_at=300)
+    a, lingering = start_attacker(d, addr, n=1000, per=10, kind="memfd", victim=victim["pid"], kill_at=300)
     fds = FdSampler(d.pid)
     health = HealthSampler(d.health_port)
     try:
@@ -214,7 +218,8 @@ def test_fm38_lingering_sockets_then_a_memfd_flood_leave_the_daemon_fds_bounded_
         flood = json.loads(a.stdout.readline())
         back = wait_for(lambda: (u := d.unit("victim"))["state"] == "active" and u["pid"] != victim["pid"] and u,
                         20, lambda: f"the victim back (unit {d.unit('victim')}, log:\n{d.log()[-2000:]})")
-        counters = wait_for(lambda: (c := d.ok("status")["daemon"]["notify"])["received"] >= 16 + 1000 and c, 30,
+        counters = wait_for(lambda: (c := d.ok("status")["daemon"]["notify"])["received"] >= lingering + 1000 and c,
+                            30,
                             lambda: f"every datagram read: {d.ok('status')['daemon']['notify']}")
         got = health.stop()
         peak = fds.stop()
@@ -227,12 +232,13 @@ def test_fm38_lingering_sockets_then_a_memfd_flood_leave_the_daemon_fds_bounded_
               f"max {max(during):.1f} ms; death on /health {(dead[0] - flood['kill_t']) * 1000 if dead else -1:.0f} ms "
               f"after the SIGKILL; attacker {flood}; closes {closes}; notify {counters}")
         assert flood["sent"] == 1000, flood
-        assert counters["dropped_foreign"] >= 1016 and counters["fds_closed"] >= 10016, counters
+        assert counters["dropped_foreign"] == lingering + 1000, counters
+        assert counters["fds_closed"] == lingering + 10000, counters
         # By hand: ten memfds and a pidfd at a time, a few health and control connections.
         assert peak <= before + 48, f"the daemon held {peak} fds during the flood ({before} before)"
         assert after <= before + 8, f"{after} fds after the flood ({before} before)"
         assert closes["stuck"] >= 16 and closes["queued"] == 0, closes
-        assert len(during) >= 3 and max(during) < 500, f"/health during the flood (ms): {during}"
+        assert len(during) >= 3 and max(during) < 1000, f"/health during the flood (ms): {during}"
         assert dead and dead[0] - flood["kill_t"] < 1.0, \
             f"the death was not on /health within a second: {[(t0 - flood['kill_t'], c) for t0, _, c in got][-20:]}"
         assert back["pid"] != victim["pid"]
@@ -254,7 +260,7 @@ def test_past_the_cap_the_notify_socket_is_not_read_and_the_sender_waits(daemon_
     addr = notify_address(d, "victim")
     before = daemon_fds(d.pid)
     n, per = 30, 200  # 6,000 fds: six times the cap
-    a = start_attacker(d, addr, n=n, per=per, kind="unix", deadline_s=8)
+    a, lingering = start_attacker(d, addr, n=n, per=per, kind="unix", deadline_s=8)
     sampler = FdSampler(d.pid)
     try:
         assert a.stdin is not None and a.stdout is not None
@@ -272,13 +278,13 @@ def test_past_the_cap_the_notify_socket_is_not_read_and_the_sender_waits(daemon_
         print(f"\ncap: daemon fds before {before}, peak {sampler.peak}, while paused {held}; attacker {flood}; "
               f"closes {waiting}; notify {notify}; /health while paused max {max(lat):.1f} ms")
         assert flood["refused"] > 0, f"the sender was never made to wait: {flood}"
-        assert received_paused - 16 < n, "every datagram was read: the daemon took them past its cap"
+        assert received_paused < lingering + flood["sent"], "every datagram was read: the daemon took them past its cap"
         assert waiting["queued"] <= closer.MAX_WAITING, waiting
         assert held <= before + closer.MAX_WAITING + SCM_MAX_FD + 8, f"{held} fds held ({before} before)"
-        assert max(lat) < 500, f"/health took {max(lat):.0f} ms while the notify socket was paused: {lat}"
+        assert max(lat) < 1000, f"/health took {max(lat):.0f} ms while the notify socket was paused: {lat}"
     finally:
         finish_attacker(a)  # the lingering closes end: the closer threads drain the queue
-    c = wait_for(lambda: (c := d.ok("status")["daemon"]["notify"])["received"] >= 16 + flood["sent"] and c, 30,
+    c = wait_for(lambda: (c := d.ok("status")["daemon"]["notify"])["received"] >= lingering + flood["sent"] and c, 30,
                  lambda: f"the rest read once the queue drained: {d.ok('status')['daemon']} log:\n{d.log()[-2000:]}")
     peak = sampler.stop()
     wait_for(lambda: daemon_fds(d.pid) <= before + 8, 15, lambda: f"the daemon's fds back: {daemon_fds(d.pid)}")

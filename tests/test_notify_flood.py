@@ -275,11 +275,15 @@ def test_past_the_cap_the_notify_socket_is_not_read_and_the_sender_waits(daemon_
         held = daemon_fds(d.pid)
         waiting = d.ok("status")["daemon"]["foreign_fd_closes"]
         received_paused = d.ok("status")["daemon"]["notify"]["received"]
+        _, text = d.http("/metrics")
+        exposed = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                   if line.startswith(("omnid_notify_paused_total", "omnid_foreign_fds_waiting"))}
         print(f"\ncap: daemon fds before {before}, peak {sampler.peak}, while paused {held}; attacker {flood}; "
               f"closes {waiting}; notify {notify}; /health while paused max {max(lat):.1f} ms")
         assert flood["refused"] > 0, f"the sender was never made to wait: {flood}"
         assert received_paused < lingering + flood["sent"], "every datagram was read: the daemon took them past its cap"
         assert waiting["queued"] <= closer.MAX_WAITING, waiting
+        assert exposed["omnid_notify_paused_total"] == 1 and exposed["omnid_foreign_fds_waiting"] >= 600, exposed
         assert held <= before + closer.MAX_WAITING + SCM_MAX_FD + 8, f"{held} fds held ({before} before)"
         assert max(lat) < 1000, f"/health took {max(lat):.0f} ms while the notify socket was paused: {lat}"
     finally:

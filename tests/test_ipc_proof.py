@@ -19,8 +19,10 @@ import ctypes.util
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -268,3 +270,283 @@ def test_own_user_rule_by_hand():
     assert not own_user(UserFacts(1000, 999, None, False)), "not counted in time"
     assert own_user(UserFacts(1000, 999, 0, False))
     assert "system user" in own_user(UserFacts(998, 999, 0, False)).reason
+
+
+# ---------------------------------------------------------------- a creator whose memory lock is held
+class ReadlessFuse:
+    """A FUSE mount with one file, `f`, whose server answers everything but READ: a page of
+    it never arrives. Reading that page through /proc/PID/mem holds PID's memory lock (the
+    kernel faults it in under the lock) until close() answers the reads with EIO."""
+
+    IN = struct.Struct("=IIQQIIIHH")  # fuse_in_header
+    OUT = struct.Struct("=IiQ")  # fuse_out_header
+    ATTR = struct.Struct("=QQQQQQIIIIIIIIII")  # fuse_attr
+
+    def __init__(self) -> None:
+        self.mnt = str(temp_dir("omt-fuse-"))
+        self.dev = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+        opts = f"fd={self.dev},rootmode=40000,user_id=0,group_id=0".encode()
+        if _libc.mount(b"omnid-test", self.mnt.encode(), b"fuse", ctypes.c_ulong(2 | 4), opts) != 0:
+            err = ctypes.get_errno()
+            os.close(self.dev)
+            raise RuntimeError(f"cannot mount FUSE on {self.mnt}: {os.strerror(err)}")
+        self.reads: list[int] = []  # READ requests held unanswered
+        self._answer_reads = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._serve, name="readless-fuse", daemon=True)
+        self._thread.start()
+
+    def _attr(self, node: int) -> bytes:
+        mode, size = (0o40755, 0) if node == 1 else (0o100644, 4096)
+        return self.ATTR.pack(node, size, size // 512, 0, 0, 0, 0, 0, 0, mode, 1, 0, 0, 0, 4096, 0)
+
+    def _reply(self, unique: int, err: int = 0, body: bytes = b"") -> None:
+        try:
+            os.write(self.dev, self.OUT.pack(self.OUT.size + len(body), err, unique) + body)
+        except OSError:
+            pass  # the request was interrupted (its process killed)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                buf = os.read(self.dev, (1 << 20) + 4096)
+            except OSError:
+                return  # unmounted
+            length, op, unique, node, *_ = self.IN.unpack_from(buf)
+            arg = buf[self.IN.size:length]
+            if op == 26:  # INIT: 7.31, fuse_init_out
+                self._reply(unique, 0, struct.pack("=IIIIHHIIHHII", 7, 31, 0, 0, 0, 0, 65536, 0, 0, 0, 0, 0)
+                            + bytes(24))
+            elif op == 1:  # LOOKUP
+                if arg.split(b"\0")[0] == b"f":
+                    self._reply(unique, 0, struct.pack("=QQQQII", 2, 0, 3600, 3600, 0, 0) + self._attr(2))
+                else:
+                    self._reply(unique, -2)
+            elif op == 3:  # GETATTR
+                self._reply(unique, 0, struct.pack("=QII", 3600, 0, 0) + self._attr(node))
+            elif op == 14:  # OPEN
+                self._reply(unique, 0, struct.pack("=QIi", 0, 0, 0))
+            elif op == 15:  # READ: held
+                with self._lock:
+                    if self._answer_reads:
+                        self._reply(unique, -5)
+                    else:
+                        self.reads.append(unique)
+            elif op not in (2, 42):  # FORGET, BATCH_FORGET take no answer; the rest: ENOSYS
+                self._reply(unique, -38)
+
+    def close(self) -> None:
+        with self._lock:
+            self._answer_reads = True
+            for unique in self.reads:
+                self._reply(unique, -5)
+            self.reads.clear()
+        _libc.umount2(self.mnt.encode(), 2)  # MNT_DETACH: the connection ends with its last user
+        self._thread.join(10)
+        os.close(self.dev)
+
+
+# The process whose memory lock is held: maps the FUSE file (its address on stdout); on a byte
+# on stdin asks for more memory (mmap: a writer, queued behind the held read lock, so every
+# later reader of its memory waits); on a byte on fd GO, another thread creates /dev/shm/NAME
+# (open(2) takes no memory lock) and says "made".
+LOCKED = r"""
+import ctypes, os, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+fd = os.open(sys.argv[1] + "/f", os.O_RDONLY)
+addr = libc.mmap(None, 4096, 1, 2, fd, 0)  # PROT_READ, MAP_PRIVATE
+path, go = ("/dev/shm/" + sys.argv[2]).encode(), int(sys.argv[3])
+def make():
+    os.read(go, 1)
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    os.write(1, b"made\n")
+threading.Thread(target=make).start()
+os.write(1, b"%d\n" % addr)
+os.read(0, 1)
+libc.mmap(None, 1 << 20, 3, 0x22, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
+"""
+
+
+class MmLocked:
+    """A process (a child of the test, its own session) whose memory lock is held: a read of
+    its /proc/PID/environ waits until release()."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.released = False
+        self.fuse = ReadlessFuse()
+        self.threads: list[threading.Thread] = []
+        r, self.go = os.pipe()
+        try:
+            self.proc = subprocess.Popen([PY, "-c", LOCKED, self.fuse.mnt, name, str(r)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, pass_fds=[r], start_new_session=True)
+        finally:
+            os.close(r)
+        self.pid = self.proc.pid
+        try:
+            addr = int(self.proc.stdout.readline())
+            self._bg(self._read_mem, addr)
+            wait_for(lambda: self.fuse.reads, 10, "the read of its FUSE page to wait on the server")
+            self.proc.stdin.write(b"m")
+            self.proc.stdin.flush()
+            wait_for(lambda: self.wchan(self.pid) == "vm_mmap_pgoff", 10,
+                     lambda: f"its mmap to wait behind the held lock (wchan {self.wchan(self.pid)!r})")
+            # The precondition, seen in the kernel: a plain read of its environment waits.
+            probe: dict[str, int] = {}
+            self._bg(self._read_environ, probe)
+            wait_for(lambda: "tid" in probe and self.wchan(probe["tid"], os.getpid()) == "__access_remote_vm", 10,
+                     lambda: f"a read of its environ to wait (wchan {self.wchan(probe.get('tid', 0), os.getpid())!r})")
+        except BaseException:
+            self.release()
+            raise
+
+    def _bg(self, fn, *args) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def _read_mem(self, addr: int) -> None:
+        fd = os.open(f"/proc/{self.pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.pread(fd, 1, addr)
+        except OSError:
+            pass  # EIO, once released
+        finally:
+            os.close(fd)
+
+    def _read_environ(self, probe: dict[str, int]) -> None:
+        probe["tid"] = threading.get_native_id()
+        try:
+            with open(f"/proc/{self.pid}/environ", "rb") as f:
+                f.read()
+        except OSError:
+            pass
+
+    @staticmethod
+    def wchan(tid: int, pid: int | None = None) -> str:
+        try:
+            with open(f"/proc/{pid or tid}/task/{tid}/wchan") as f:
+                return f.read()
+        except OSError:
+            return "gone"
+
+    def make(self) -> None:
+        """It creates /dev/shm/NAME now, while its memory lock is held."""
+        os.write(self.go, b"x")
+        assert self.proc.stdout.readline() == b"made\n"
+
+    def release(self) -> None:
+        """Every held read answered (EIO), the process killed and reaped; once."""
+        if self.released:
+            return
+        self.released = True
+        self.fuse.close()
+        for t in self.threads:
+            t.join(10)
+            assert not t.is_alive(), "a read of the held process did not return after the release"
+        self.proc.kill()
+        self.proc.wait(10)
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+        os.close(self.go)
+        if os.path.lexists(f"/dev/shm/{self.name}"):
+            os.unlink(f"/dev/shm/{self.name}")
+        os.rmdir(self.fuse.mnt)
+
+
+@pytest.fixture
+def mm_locked():
+    from tests.hung import fuse_available
+
+    why = fuse_available()
+    if why:
+        pytest.skip(f"needs a FUSE mount: {why}")
+    held = MmLocked(f"omtlocked_{os.getpid()}")
+    yield held
+    held.release()
+
+
+# made: creates /dev/shm/NAME and lives until stdin closes (a creator gone before its event is
+# read is a known gap: nothing of it is left to prove whose it was)
+TIED = ("import os, sys\nos.close(os.open('/dev/shm/' + sys.argv[1], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))\n"
+        "sys.stdin.read()\n")
+
+
+def test_a_creator_whose_memory_lock_is_held_stalls_neither_the_listener_nor_its_stop(mm_locked):
+    """A descendant of the daemon that nothing ties to a unit creates a /dev/shm entry while
+    its memory lock is held for good (here: a read of a FUSE page that never arrives holds it,
+    and its own mmap waits behind). Its environment is the only fact left, and reading it
+    waits as long as the lock is held. Before, the fanotify thread read it itself: the next
+    unit's entries were never attributed, and ShmWatch.stop() (the daemon's exit) hung on
+    the listener's lock. Now the read is bounded on a thread of its own: a tied creator right
+    after is attributed, and stop() returns within its bound."""
+    from omnid.process import ipc
+
+    token = f"tok{os.getpid()}"
+    book = ipc.IpcBook(token)  # this test process stands for the daemon: both creators descend from it
+    book.begin("u", 0)
+    watch = ipc.ShmWatch(book)
+    why = watch.start()
+    if why:
+        pytest.skip(f"no fanotify here: {why}")
+    tied = f"omttied_{os.getpid()}"
+    stopped: list[bool] = []
+    creator = None
+    try:
+        t0 = time.monotonic()
+        mm_locked.make()
+        env = {"PATH": os.environ.get("PATH", ""), "OMNID_DAEMON": token, "OMNID_UNIT": "u"}
+        creator = subprocess.Popen([PY, "-c", TIED, tied], env=env, stdin=subprocess.PIPE, start_new_session=True)
+        wait_for(lambda: tied in book.units["u"].shm, 10,
+                 lambda: f"the tied creator's entry to be attributed (the listener stalled on the held "
+                         f"creator? its thread: {MmLocked.wchan(watch._thread.native_id, os.getpid())!r})")
+        attributed_s = time.monotonic() - t0
+        assert mm_locked.name not in book.units["u"].shm, "an entry whose creator nothing proves was attributed"
+        assert book.environ.timed_out == 1 and list(book.environ.out) == [mm_locked.pid], \
+            (book.environ.timed_out, book.environ.out)
+        t1 = time.monotonic()
+        stopper = threading.Thread(target=lambda: stopped.append(watch.stop()), daemon=True)
+        stopper.start()
+        stopper.join(ipc.STOP_WAIT_S + 5)
+        stop_s = time.monotonic() - t1
+        assert not stopper.is_alive(), f"ShmWatch.stop() did not return in {ipc.STOP_WAIT_S + 5} s"
+        assert stopped == [True] and stop_s < ipc.STOP_WAIT_S, (stopped, stop_s)
+        print(f"\ntied entry attributed {attributed_s * 1000:.0f} ms after the held creator's; "
+              f"stop() took {stop_s * 1000:.1f} ms")
+    finally:
+        if creator is not None:
+            creator.stdin.close()
+            creator.wait(10)
+        mm_locked.release()  # first: a listener stuck on the held process returns once it is released
+        if not stopped:
+            watch.stop()
+        if os.path.lexists(f"/dev/shm/{tied}"):
+            os.unlink(f"/dev/shm/{tied}")
+        wait_for(lambda: not book.environ.out, 10, "the environment read to return once released")
+
+
+def test_a_strangers_environment_is_never_read(mm_locked):
+    """A creator that does not descend from the daemon is nobody's: decided from
+    /proc/PID/stat at once, its environment (here one whose read would wait for good) never
+    read. With the daemon's pid in its ancestry, the same creator costs one bounded wait."""
+    from omnid.process import ipc
+
+    stand_in = subprocess.Popen([PY, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        mm_locked.make()
+        for root, wait_at_most in ((stand_in.pid, 0.1), (os.getpid(), ipc.ENVIRON_WAIT_S + 0.5)):
+            book = ipc.IpcBook("token", root_pid=root)
+            book.begin("u", 0)
+            t0 = time.monotonic()
+            book.created(mm_locked.pid, mm_locked.name)
+            took = time.monotonic() - t0
+            assert took < wait_at_most and not book.units["u"].shm, (root, took, book.units["u"].shm)
+            asked = book.environ.timed_out
+            assert asked == (0 if root == stand_in.pid else 1), (root, asked, book.environ.out)
+            print(f"\nroot {'stand-in' if root == stand_in.pid else 'this process'}: created() took "
+                  f"{took * 1000:.1f} ms, environment reads timed out: {asked}")
+    finally:
+        stand_in.stdin.close()
+        stand_in.wait(10)

@@ -395,6 +395,20 @@ def print_summary(summary: list[dict]) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     for row in rows:
         print("  ".join(c.ljust(widths[i]) for i, c in enumerate(row[:5])) + "  " + row[5])
+    for r in summary:  # after the exit, on its own clock: the removal of what the processes left
+        line = cleanup_line(r)
+        if line:
+            print(f"{r['unit']}: {line}")
+
+
+def cleanup_line(r: dict) -> str:
+    """The stop's cleanup step in words ("cleanup 3.214s: private tmp removed (150301 entries)"),
+    or "" when there was no tree to walk (an empty directory goes with one rmdir)."""
+    if r.get("cleanup_seconds") is None or not (r.get("tmp_entries") or r.get("tmp_left")):
+        return ""
+    what = (f"private tmp NOT removed: {r['tmp_left']}" if r.get("tmp_left")
+            else f"private tmp removed ({r['tmp_entries']} entries)")
+    return f"cleanup {r['cleanup_seconds']:.3f}s: {what}"
 
 
 def format_event(ev: dict) -> str:

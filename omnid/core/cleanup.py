@@ -2,9 +2,12 @@
 temporary directory (omnid.process.privatetmp) and its IPC objects (omnid.process.ipc). The executor
 calls `before_spawn` (a new directory, a fresh IPC record; the previous instance's
 removal finished first, so a restart never meets its predecessor's objects), `spawned`,
-`gone` (a stop: awaited before GONE, so the stop summary names what was removed) and
-`released` (the unit is inactive or failed: whatever `gone` did not do yet runs now, as a
-task, so a death's path to `failed` does not wait for it). The blocking work (a /proc
+`gone` (a stop, once the kernel proved the processes gone: the removal is its own step,
+stopping/releasing, awaited so that the stop summary names what was removed and how long
+that took, on its own clock, never the stop's) and `released` (the unit is inactive or
+failed: whatever `gone` did not do yet runs now, as a task, so a death's path to `failed`
+does not wait for it). Each removal is one task per instance (`remove`); its result
+(`Removal`) goes into the stop's record. The blocking work (a /proc
 scan, a tree removal) runs on a thread of its own (omnid.base.ownthreads), and the wait for
 it is bounded (REMOVAL_BOUND_S) even where the kernel never answers it: the scan reads every
 process's /proc/PID/maps, which can wait as long as that process's memory lock is held, and
@@ -17,6 +20,11 @@ backoff, for HELD_RETRY_S: the holder is often the unit's own last process, one 
 could not tie to the unit (PostgreSQL's backends call setsid() and overwrite their
 environment, and exit when they see the postmaster gone, a moment after omnid saw the unit
 go). An entry held for longer, by a consumer that outlives the unit, is kept and logged.
+
+A re-exec hands every removal under way over (`handover`'s `removing`: the directory, the
+IPC record, as far as the removal had taken them): the thread doing it ends with the old
+program's exec, and the new program does it again from the start (`take_over`), so a
+removal is never lost between the two.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -46,6 +55,38 @@ HELD_RETRY_S = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8)  # ~25 s of looks
 
 class CannotPrepare(Exception):
     """The private directory cannot be made: the spawn fails with this reason."""
+
+
+@dataclass
+class Removal:
+    """What one removal of an instance's leftovers did (the stop summary's cleanup step)."""
+
+    seconds: float = 0.0  # its own clock: from its start (a predecessor's wait excluded) to its end
+    tmp_entries: int | None = None  # entries of the private tmp directory walked and removed (None: no walk)
+    tmp_left: str | None = None  # why the private tmp directory is not (fully) removed
+    removed: list[str] = field(default_factory=list)  # IPC objects removed
+    kept: list[str] = field(default_factory=list)
+
+    def record_in(self, rec: Any) -> None:
+        """Into a StopRecord (omnid.process.termination)."""
+        rec.cleanup_seconds = round(self.seconds, 4)
+        rec.tmp_entries = self.tmp_entries
+        rec.tmp_left = self.tmp_left or ""
+        rec.ipc_removed = list(self.removed)
+
+
+@dataclass
+class _Removing:
+    """A removal under way: what it removes, as far as it has taken it (handed over at a re-exec)."""
+
+    unit: str
+    tmp: privatetmp.TmpDir | None
+    remove_ipc: bool
+    ipc: ipc.UnitIpc | None = None  # once taken out of the book (on the removal's thread)
+
+    def to_json(self) -> dict:
+        return {"unit": self.unit, "tmp": self.tmp.to_json() if self.tmp is not None else None,
+                "remove_ipc": self.remove_ipc, "ipc": self.ipc.to_json() if self.ipc is not None else None}
 
 
 def unit_ids(spec: Any) -> tuple[int | None, int | None]:
@@ -76,6 +117,8 @@ class UnitCleanup:
         self._held_taken: list[ipc.UnitIpc] = []  # handed over by the program before a re-exec
         self._last_look = asyncio.Event()  # the daemon stops: every held entry gets its last look now
         self.threads = OwnThreads(MAX_STUCK, kind="removal")
+        self._removing: list[_Removing] = []  # removals under way (one per instance)
+        self._handed: list[_Removing] = []  # removals the program before a re-exec had under way
 
     # ------------------------------------------------------------ daemon life
     def start(self) -> None:
@@ -94,8 +137,14 @@ class UnitCleanup:
         taken, self._held_taken = self._held_taken, []
         for u in taken:
             self._look_again(u)
+        handed, self._handed = self._handed, []
+        for r in handed:  # before the sweep's thread: it keeps their directories
+            self._removing.append(r)
+            prev = self._tasks.get(r.unit)
+            self._tasks[r.unit] = unit_task(self._clean(r, after=prev, handed=True), unit=r.unit, kind="cleanup",
+                                            on_crash=lambda exc: None)
         if self.record is not None and self._previous:
-            keep = {d.path for d in self.tmp.values()}
+            keep = {d.path for d in self.tmp.values()} | {r.tmp.path for r in self._removing if r.tmp is not None}
             previous, self._previous = self._previous, []
             await asyncio.to_thread(self.record.sweep, previous, keep)
 
@@ -117,7 +166,8 @@ class UnitCleanup:
     def handover(self) -> dict:
         return {"ipc": self.book.handover(), "tmp": {k: d.to_json() for k, d in self.tmp.items()},
                 "due": sorted(self._due), "held": [u.to_json() for us in self._held.values() for u in us]
-                + [u.to_json() for u in self._held_taken]}
+                + [u.to_json() for u in self._held_taken],
+                "removing": [r.to_json() for r in (*self._removing, *self._handed)]}
 
     def take_over(self, d: object) -> None:
         if not isinstance(d, dict):
@@ -134,17 +184,35 @@ class UnitCleanup:
         self._due.update(str(x) for x in due if isinstance(x, str)) if isinstance(due, list) else None
         held = d.get("held")
         self._held_taken = [ipc.UnitIpc.from_json(u) for u in held] if isinstance(held, list) else []
+        removing = d.get("removing")
+        for r in removing if isinstance(removing, list) else ():
+            self._take_removal(r)
+
+    def _take_removal(self, r: object) -> None:
+        """A removal the previous program had under way: done again from the start once this
+        program runs (sweep_previous). What its thread had not taken out of the IPC book yet
+        is still in the book handed over, unless a newer instance of the unit owns the record."""
+        if not isinstance(r, dict) or not isinstance(r.get("unit"), str):
+            return
+        unit = r["unit"]
+        td = privatetmp.TmpDir.from_json(r["tmp"]) if r.get("tmp") is not None else None
+        u = ipc.UnitIpc.from_json(r["ipc"]) if r.get("ipc") is not None else None
+        if u is None and unit not in self._due:
+            u = self.book.take(unit)
+        if td is not None and self.record is not None:
+            self.record.dirs[td.path] = td
+        self._handed.append(_Removing(unit, td, bool(r.get("remove_ipc")), u))
 
     # ------------------------------------------------------------ a unit's instance
     async def before_spawn(self, rt: Any) -> dict[str, str]:
         """The previous instance's leftovers removed, a fresh record and directory; returns
         what the unit's environment gains. CannotPrepare says why it cannot start."""
         name, spec = rt.name, rt.spec
+        if name in self._due:  # gone, never released (a spawn straight after a stop)
+            self.remove(rt)
         prev = self._tasks.get(name)
         if prev is not None and not prev.done():
             await asyncio.wait([prev], timeout=SETTLE_WAIT_S)
-        if name in self._due:  # gone, never released (a spawn straight after a stop)
-            await self._clean(rt)
         try:
             uid, gid = unit_ids(spec)
         except KeyError as exc:
@@ -169,55 +237,91 @@ class UnitCleanup:
         self.book.add_pid(rt.name, pid)
         self._due.add(rt.name)
 
-    async def gone(self, rt: Any, rec: Any | None) -> None:
-        """Nothing of the instance runs any more (the kernel proved it): remove, await."""
-        if rt.name in self._due:
-            await self._clean(rt, rec)
+    def due(self, name: str) -> bool:
+        """Is something of the unit's last instance still to be removed, or being removed?"""
+        task = self._tasks.get(name)
+        return name in self._due or (task is not None and not task.done())
+
+    def remove(self, rt: Any) -> asyncio.Task | None:
+        """The removal of what the unit's last instance left: started now if it is due, else
+        the one under way (None: nothing to remove). A removal of an older instance still under
+        way is waited for first (bounded), never overtaken."""
+        name = rt.name
+        prev = self._tasks.get(name)
+        if name not in self._due:
+            return prev if prev is not None and not prev.done() else None
+        self._due.discard(name)
+        work = _Removing(name, self.tmp.pop(name, None), bool(rt.spec.remove_ipc))
+        self._removing.append(work)
+        # A crash is logged by unit_task; the unit's state does not depend on its leftovers.
+        task = self._tasks[name] = unit_task(self._clean(work, after=prev, rt=rt), unit=name, kind="cleanup",
+                                             on_crash=lambda exc: None)
+        return task
+
+    async def gone(self, rt: Any, rec: Any | None) -> Removal | None:
+        """Nothing of the instance runs any more (the kernel proved it): remove, await (the
+        removal bounds itself; this wait too, should it not), and record what it did in rec."""
+        task = self.remove(rt)
+        if task is None:
+            return None
+        await asyncio.wait([task], timeout=SETTLE_WAIT_S + REMOVAL_BOUND_S)
+        result = task.result() if task.done() and not task.cancelled() and task.exception() is None else None
+        if result is not None and rec is not None:
+            result.record_in(rec)
+        return result
 
     def released(self, rt: Any) -> None:
         """The unit is inactive or failed: whatever is still due goes, as a task."""
-        name = rt.name
-        if name not in self._due or (name in self._tasks and not self._tasks[name].done()):
-            return
-        # A crash is logged by unit_task; the unit's state does not depend on its leftovers.
-        self._tasks[name] = unit_task(self._clean(rt), unit=name, kind="cleanup", on_crash=lambda exc: None)
+        self.remove(rt)
 
-    async def _clean(self, rt: Any, rec: Any | None = None) -> None:
-        name, spec = rt.name, rt.spec
-        self._due.discard(name)
-        d = self.tmp.pop(name, None)
-        t0 = time.monotonic()
-        if (d is None or privatetmp.remove_if_empty(d)) and not self.book.has_entries(name) \
-                and (self.watch is None or not self.watch.pending()):
-            # Nothing that needs a thread: no /dev/shm entry to prove unheld, no queued event,
-            # no tree to walk (a thread's hand-off costs a restart ~0.1 s on a loaded host).
-            u = self.book.take(name)
-            removed, kept = ipc.remove_sysv(u) if u is not None and spec.remove_ipc else ([], [])
-            tmp_left, held = None, None
-        else:
-            try:
-                removed, kept, tmp_left, held = await self.threads.run(
-                    f"{name}'s leftovers", lambda: self._clean_blocking(name, d, bool(spec.remove_ipc)),
-                    REMOVAL_BOUND_S)
-            except (TimeoutError, Busy) as exc:
-                why = str(exc) or (f"not returned in {REMOVAL_BOUND_S:g} s "
-                                   "(a /proc or mount read the kernel does not answer?)")
-                log.warning("leftovers not removed", unit=name, why=why,
-                            private_tmp=d.path if d is not None else None)
-                removed, kept, tmp_left, held = [], [], "its removal did not return", None
+    async def _clean(self, work: _Removing, after: asyncio.Task | None = None, rt: Any | None = None,
+                     handed: bool = False) -> Removal:
+        name, d = work.unit, work.tmp
+        try:
+            if after is not None and not after.done():
+                await asyncio.wait([after], timeout=SETTLE_WAIT_S)
+            t0 = time.monotonic()
+            entries: int | None = None
+            if not handed and (d is None or privatetmp.remove_if_empty(d)) and not self.book.has_entries(name) \
+                    and (self.watch is None or not self.watch.pending()):
+                # Nothing that needs a thread: no /dev/shm entry to prove unheld, no queued event,
+                # no tree to walk (a thread's hand-off costs a restart ~0.1 s on a loaded host).
+                u = work.ipc = self.book.take(name)
+                removed, kept = ipc.remove_sysv(u) if u is not None and work.remove_ipc else ([], [])
+                tmp_left, held = None, None
+            else:
+                counted: list[int] = []
+                try:
+                    removed, kept, tmp_left, held = await self.threads.run(
+                        f"{name}'s leftovers", lambda: self._clean_blocking(work, counted, handed), REMOVAL_BOUND_S)
+                except (TimeoutError, Busy) as exc:
+                    why = str(exc) or (f"not returned in {REMOVAL_BOUND_S:g} s "
+                                       "(a /proc or mount read the kernel does not answer?)")
+                    log.warning("leftovers not removed", unit=name, why=why,
+                                private_tmp=d.path if d is not None else None)
+                    removed, kept, tmp_left, held = [], [], "its removal did not return", None
+                entries = counted[0] if counted else None
+            r = Removal(time.monotonic() - t0, entries, tmp_left, removed, kept)
+        finally:
+            if work in self._removing:
+                self._removing.remove(work)
         if d is not None and self.record is not None and tmp_left is None:
             self.record.drop(d)
         if tmp_left is not None:
             log.warning("private tmp directory not fully removed", unit=name, why=tmp_left)
         if removed or kept:
             log.info("IPC residue", unit=name, removed=removed, kept=kept,
-                     ms=round((time.monotonic() - t0) * 1000, 1), **({"looked_at_again": sorted(held.shm)}
-                                                                   if held is not None else {}))
-        rt.ipc_removed = removed
-        if rec is not None:
-            rec.ipc_removed = list(removed)
+                     ms=round(r.seconds * 1000, 1), **({"looked_at_again": sorted(held.shm)}
+                                                      if held is not None else {}))
+        if entries or handed:
+            log.info("leftovers removed", unit=name, seconds=round(r.seconds, 3), private_tmp_entries=entries,
+                     private_tmp_left=tmp_left, ipc_removed=len(removed),
+                     **({"handed_over": "by the program before a re-exec"} if handed else {}))
+        if rt is not None:
+            rt.ipc_removed = removed
         if held is not None:
             self._look_again(held)
+        return r
 
     def _look_again(self, u: ipc.UnitIpc) -> None:
         self._held.setdefault(u.unit, []).append(u)
@@ -266,18 +370,21 @@ class UnitCleanup:
                         after_s=round(time.monotonic() - t0, 1))
         self._held_fresh.discard(name)
 
-    def _clean_blocking(self, name: str, d: privatetmp.TmpDir | None,
-                        remove_ipc: bool) -> tuple[list[str], list[str], str | None, ipc.UnitIpc | None]:
-        # What the unit created just before it died may still be queued: read first.
-        if self.watch is not None:
-            self.watch.drain()
-        return _remove(d, self.book.take(name), remove_ipc)
+    def _clean_blocking(self, work: _Removing, counted: list[int],
+                        handed: bool) -> tuple[list[str], list[str], str | None, ipc.UnitIpc | None]:
+        # What the unit created just before it died may still be queued: read first. A handed
+        # over removal took its record in the program before (or from the book handed over).
+        if not handed:
+            if self.watch is not None:
+                self.watch.drain()
+            work.ipc = self.book.take(work.unit)  # the loop reads it only to hand it over
+        return _remove(work.tmp, work.ipc, work.remove_ipc, counted)
 
 
-def _remove(d: privatetmp.TmpDir | None, u: ipc.UnitIpc | None,
-            remove_ipc: bool) -> tuple[list[str], list[str], str | None, ipc.UnitIpc | None]:
+def _remove(d: privatetmp.TmpDir | None, u: ipc.UnitIpc | None, remove_ipc: bool,
+            counted: list[int] | None = None) -> tuple[list[str], list[str], str | None, ipc.UnitIpc | None]:
     """(removed, kept, what was left of the tmp directory, the held /dev/shm entries)."""
-    tmp_left = privatetmp.remove(d, deadline_s=TMP_BUDGET_S) if d is not None else None
+    tmp_left = privatetmp.remove(d, deadline_s=TMP_BUDGET_S, counted=counted) if d is not None else None
     removed: list[str] = []
     kept: list[str] = []
     held = None

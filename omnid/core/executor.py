@@ -70,7 +70,13 @@ class Works:
     exit_wait: asyncio.TimerHandle | None = None
     dead_pids: list[int] = field(default_factory=list)  # whose GPU memory must be freed
     stop_from: UnitState = UnitState.ACTIVE  # the state the current stop began in
+    bound: str = "stop_timeout"  # the stop's bound armed last: what a STOP_TIMEOUT's SIGKILL says it was
 
+
+# What a SIGKILL in the middle of a stop says it was, by the event that brought it (a stop's
+# bound that passed says which: Works.bound).
+_WHY_SIGKILL = {E.GROUP_FENCED: "fenced from its group", E.INTERNAL_ERROR: "internal error",
+                E.EXITED: "main process exited"}
 
 # Tasks that live as long as a state, not a phase.
 _STATE_TASKS = {"ready": S.STARTING, "liveness": S.ACTIVE, "progress": S.ACTIVE, "ready-probe": S.ACTIVE,
@@ -288,7 +294,8 @@ class Executor:
         if a.to == "rest":
             term.rest(sig, a.cont)
         elif term.t0 and sig == signal.SIGKILL:
-            term.escalate()
+            term.escalate(self.of(rt).bound.replace("_", " ") if ctx.event is E.STOP_TIMEOUT
+                          else _WHY_SIGKILL.get(ctx.event, "a stop under way"))
         else:
             term.begin(sig, a.cont, main_only=a.to == "main")
         if self.sup.shutting_down:
@@ -303,7 +310,7 @@ class Executor:
         w = self.of(rt)
         term = w.term if w.term is not None and rt.state is S.STOPPING else Termination(self.target(rt, rt.proc))
         if term.t0:
-            term.escalate()
+            term.escalate("the stack stop's deadline or a second signal")
         else:
             term.begin(signal.SIGKILL, False)
 
@@ -330,19 +337,22 @@ class Executor:
             raise ValueError(f"unknown timer {a.which!r}")
         epoch = rt.epoch
         loop = asyncio.get_running_loop()
-        self.of(rt).timers[a.which] = loop.call_later(delay, self._feed_if_current, rt, epoch,
-                                                       TIMER_EVENTS[a.which], detail)
+        w = self.of(rt)
+        if TIMER_EVENTS[a.which] is E.STOP_TIMEOUT:
+            w.bound = a.which
+        w.timers[a.which] = loop.call_later(delay, self._feed_if_current, rt, epoch, TIMER_EVENTS[a.which], detail)
 
     def _watch_gone(self, rt: UnitRuntime, a: WatchGone, ctx: Ctx) -> None:
         self.run_for(rt, "gone", self._gone_task(rt, self._termination(rt, ctx)))
 
     async def _gone_task(self, rt: UnitRuntime, term: Termination) -> None:
+        """GONE the moment the kernel proves the processes gone: the stop's timers end with the
+        position (the exit is the exit). What they left is removed after it, as its own step
+        (stopping/releasing: WaitRelease), never inside the stop's bounds."""
         await term.until_gone()  # bounded by the stop_timeout / kill_timeout timers
         await term.sweep(rt.spec.kill_timeout)
         if self.sup.cgroups:
             self.sup.cgroups.release(rt.name)
-        if self.cleanup is not None:  # before GONE: the stop summary names what was removed
-            await self.cleanup.gone(rt, term.rec)
         self.sup.feed(rt, E.GONE)
 
     def _capture(self, rt: UnitRuntime, a: Capture, ctx: Ctx) -> None:
@@ -426,11 +436,22 @@ class Executor:
         self.run_for(rt, "release", self._release_task(rt, epoch, pids))
 
     async def _release_task(self, rt: UnitRuntime, epoch: int, pids: list[int]) -> None:
-        ms, held = await self.sup.gpu_release(rt.name, pids, rt.spec.kill_timeout)
-        rt.gpu_release_ms, rt.gpu_held = ms, held
+        """What the unit's processes held, released after they are gone, each on its own
+        clock and bounded: their GPU memory (where it is checked) and what they left in the
+        filesystem and IPC namespaces (omnid.core.cleanup), side by side."""
         w = self.of(rt)
-        if w.term is not None:
-            w.term.rec.gpu_release_ms, w.term.rec.gpu_held = ms, list(held)
+        rec = w.term.rec if w.term is not None else None
+
+        async def gpu() -> None:
+            ms, held = await self.sup.gpu_release(rt.name, pids, rt.spec.kill_timeout)
+            rt.gpu_release_ms, rt.gpu_held = ms, held
+            if rec is not None:
+                rec.gpu_release_ms, rec.gpu_held = ms, list(held)
+
+        steps = [gpu()] if self.sup.gpu_on() else []
+        if self.cleanup is not None:
+            steps.append(self.cleanup.gone(rt, rec))
+        await asyncio.gather(*steps)
         self._feed_if_current(rt, epoch, E.RELEASED)
 
     def _release(self, rt: UnitRuntime, a: Release, ctx: Ctx) -> None:

@@ -54,7 +54,8 @@ class Phase(str, enum.Enum):
     DRAINING = "draining"  # stopping: told to stop taking work, until idle or drain_timeout
     SIGNALLED = "signalled"  # stopping: stop_signal sent; gone, or SIGKILL at stop_timeout
     KILLED = "killed"  # stopping: SIGKILL sent; gone, or unkillable at kill_timeout
-    RELEASING = "releasing"  # stopping/failed: waiting until NVML shows the GPU memory freed
+    RELEASING = "releasing"  # stopping/failed: nothing runs; waiting until NVML shows the GPU memory freed
+    #                          and (stopping) what the processes left is removed, both bounded
 
 
 class Cause(str, enum.Enum):
@@ -164,7 +165,8 @@ class ReportUnkillable:
 
 @dataclass(frozen=True)
 class WaitRelease:
-    """Wait (bounded) until the dead pids hold no GPU memory; feed RELEASED."""
+    """Wait (bounded) until the dead pids hold no GPU memory (where it is checked) and what they
+    left is removed (private tmp, IPC objects), each on its own clock; feed RELEASED."""
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,7 @@ class View:
     kill_mode: KillMode = KillMode.CONTROL_GROUP  # who gets stop_signal on a planned stop
     rest_pending: bool = False  # stopping: only the main process was signalled, the rest has had nothing yet
     leftover_grace: bool = False  # on EXITED with leftovers: they get stop_signal and leftover_timeout first
+    cleanup: bool = False  # on GONE: what its processes left (private tmp, IPC objects) is still to be removed
 
 
 @dataclass(frozen=True)
@@ -321,12 +324,16 @@ def _broken(v: View) -> Step:
 
 
 def _ended(v: View) -> Step:
-    """Nothing of the unit runs any more (or what does is unkillable): inactive, or failed."""
+    """Nothing of the unit runs any more (or what does is unkillable): inactive, or failed. The
+    stop's timers end here, with the position: the exit is the exit. A planned stop then waits,
+    as its own step, for what the processes held and left: the stop summary says when the GPU
+    memory was freed and what the removal of their leftovers took (never an escalation). A
+    failure is published at once; its leftovers go in a task (Release)."""
     if v.cause is Cause.FAILURE:
         if v.gpu:  # `failed` is published first; a restart waits for the GPU's memory
             return Step(S.FAILED, P.RELEASING, (Release(), DecideRestart(), Publish(), WaitRelease()))
         return Step(S.FAILED, P.IDLE, (Release(), DecideRestart(), Publish()))
-    if v.gpu:  # the stop summary says when the GPU memory was freed
+    if v.gpu or v.cleanup:
         return Step(S.STOPPING, P.RELEASING, (WaitRelease(),))
     return Step(S.INACTIVE, P.IDLE, (Release(), Publish()))
 
@@ -466,7 +473,8 @@ def _rows() -> dict[tuple[UnitState, Phase, Event], Cell]:
     t[(S.STOPPING, P.KILLED, E.KILL_TIMEOUT)] = _unkillable
     t[(S.STOPPING, P.KILLED, E.INTERNAL_ERROR)] = _bug_in_kill  # the kill path itself broke: give up, loudly
     ignore(S.STOPPING, P.KILLED, E.EXITED, *_DOWN, E.GPU_FAULT)
-    # stopping, releasing: nothing runs; the stop summary waits for the GPU's memory (bounded)
+    # stopping, releasing: nothing runs; the stop summary waits for the GPU's memory and the
+    # removal of what the processes left (each bounded, each on its own clock)
     t[(S.STOPPING, P.RELEASING, E.RELEASED)] = Step(S.INACTIVE, P.IDLE, (Release(), Publish()))
     t[(S.STOPPING, P.RELEASING, E.INTERNAL_ERROR)] = _FAILED_BY_BUG
     ignore(S.STOPPING, P.RELEASING, *_DOWN, E.GPU_FAULT)

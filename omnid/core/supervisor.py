@@ -170,7 +170,8 @@ class Supervisor:
                     drain=self.executor.drains is not None and getattr(rt.spec, "drain", None) is not None,
                     shutting_down=self.shutting_down, running=rt.proc is not None, kill_mode=rt.spec.kill_mode,
                     rest_pending=term is not None and term.rest_pending,
-                    leftover_grace=rt.spec.leftover_timeout > 0)
+                    leftover_grace=rt.spec.leftover_timeout > 0,
+                    cleanup=self.executor.cleanup is not None and self.executor.cleanup.due(rt.name))
 
     def _step(self, rt: UnitRuntime, event: Event, detail: str) -> None:
         leftovers = False

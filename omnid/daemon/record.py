@@ -69,7 +69,8 @@ PROCESS = Obj({"pid": COUNT, "pidfd": FD, "pgid": COUNT, "start_time": COUNT,  #
 STOP = Obj({"unit": STR, "signal": STR, "seconds": Opt(NUM), "escalated": BOOL,  # StopRecord.to_json
             "residue": ListOf(STR), "unkillable": ListOf(STR), "gpu_release_ms": Opt(NUM),
             "gpu_held": ListOf(STR), "was": STR},
-           optional={"to": STR, "rest": STR, "main_seconds": Opt(NUM), "ipc_removed": ListOf(STR)})
+           optional={"to": STR, "rest": STR, "main_seconds": Opt(NUM), "ipc_removed": ListOf(STR),
+                     "cleanup_seconds": Opt(NUM), "tmp_entries": Opt(COUNT), "tmp_left": STR})
 OUTPUT = Obj({"lines": ListOf(Tuple(NUM, STR, STR)),  # UnitOutput.handover: (time, stream, line)
               "lines_total": INT, "lines_truncated": INT, "echo_dropped": INT, "evicted_for_bytes": INT,
               "read_pauses": INT,
@@ -100,10 +101,14 @@ METRICS = Obj({"series": DictOf(Tuple(ListOf(INT), ListOf(NUM))),  # DaemonMetri
                "deaths_seen": DictOf(INT)})
 UNIT_IPC = Obj({"unit": STR, "uid": INT, "since": NUM, "pids": ListOf(INT),  # UnitIpc.to_json
                 "shm": DictOf(INT), "dropped": INT})
+TMPDIR = Obj({"unit": STR, "path": STR, "dev": INT, "ino": INT}, optional={"uid": INT})  # TmpDir.to_json
 CLEANUP = Obj({  # UnitCleanup.handover
     "ipc": DictOf(UNIT_IPC),
-    "tmp": DictOf(Obj({"unit": STR, "path": STR, "dev": INT, "ino": INT}, optional={"uid": INT})),  # TmpDir
-    "due": ListOf(STR)}, optional={"held": ListOf(UNIT_IPC)})
+    "tmp": DictOf(TMPDIR),
+    "due": ListOf(STR)}, optional={
+        "held": ListOf(UNIT_IPC),
+        # removals under way (cleanup._Removing): the new program does each again from the start
+        "removing": ListOf(Obj({"unit": STR, "tmp": Opt(TMPDIR), "remove_ipc": BOOL, "ipc": Opt(UNIT_IPC)}))})
 CLUSTER = Obj({  # omnid.core.crosshost.CrossHost.handover; checked against the stack by read_handover
     "session": Record("omnid.cluster.session", "SessionRecord"),
     "groups": DictOf(Obj({"cluster": Record("omnid.cluster.group", "GroupRecord"),

@@ -111,9 +111,11 @@ def environment(d: TmpDir) -> dict[str, str]:
     return {k: d.path for k in ENV_KEYS}
 
 
-def remove(d: TmpDir, deadline_s: float = 10.0, max_entries: int = 1_000_000) -> str | None:
+def remove(d: TmpDir, deadline_s: float = 10.0, max_entries: int = 1_000_000,
+           counted: list[int] | None = None) -> str | None:
     """Remove the directory and everything in it, if it is still the one omnid made. Blocking
-    (call it off the event loop). None when it is gone; otherwise what is left and why."""
+    (call it off the event loop). None when it is gone; otherwise what is left and why.
+    `counted` gets the number of entries the walk went through (the stop summary's)."""
     parent, name = os.path.split(d.path)
     if not _NAME_RE.match(name):
         return f"{d.path}: not an omnid private directory name; left alone"
@@ -130,7 +132,12 @@ def remove(d: TmpDir, deadline_s: float = 10.0, max_entries: int = 1_000_000) ->
             return f"{d.path}: {_why_not(exc)}; left alone"
         if not _is(st, d):
             return f"{d.path}: not the directory omnid made (replaced); left alone"
-        left = _remove_tree(pfd, name, time.monotonic() + deadline_s, [max_entries], (d.dev, d.ino))
+        budget = [max_entries]
+        try:
+            left = _remove_tree(pfd, name, time.monotonic() + deadline_s, budget, (d.dev, d.ino))
+        finally:
+            if counted is not None:
+                counted.append(min(max_entries, max_entries - budget[0]))
         return None if left is None else f"{d.path}: {left}"
     finally:
         os.close(pfd)

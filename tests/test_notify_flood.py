@@ -440,3 +440,37 @@ def test_a_stranger_with_a_dead_units_process_group_number_is_not_attributed(tmp
         if pidfd >= 0:
             os.close(pidfd)
         srv.sock.close()
+
+
+# A unit that hands over a memfd and exits at once (systemd's way of keeping state across a
+# restart); on the start that gets it back it writes the memfd's content to REPORT and stays.
+LAST_WORDS = r'''
+import array, os, socket, sys, time
+report = sys.argv[1]
+if os.environ.get("LISTEN_FDS") == "1" and os.environ.get("LISTEN_PID") == str(os.getpid()):
+    open(report + ".tmp", "w").write(os.pread(3, 100, 0).decode())
+    os.rename(report + ".tmp", report)
+    time.sleep(1000)
+m = os.memfd_create("last")
+os.write(m, b"kept by %d" % os.getpid())
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.sendmsg([b"FDSTORE=1\nFDNAME=last"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [m]).tobytes())],
+          0, "\0" + os.environ["NOTIFY_SOCKET"][1:])
+os._exit(1)
+'''
+
+
+def test_a_main_process_that_stores_an_fd_and_exits_at_once_gets_it_back(daemon_factory, tmp_path):
+    """The fd store's use through a real daemon: a unit stores its state and exits at once; the
+    sender is attributed by its pidfd whether the daemon reads the datagram while it is a
+    zombie or after the spawner reaped it (no /proc/PID left: the pidfd is the unit's main
+    process all the same; the reaped case is forced in the test above), and the next
+    instance gets the memfd."""
+    prog, report = tmp_path / "last.py", tmp_path / "report"
+    prog.write_text(LAST_WORDS)
+    d = daemon_factory(make_stack({"u": f'exec = ["{PY}", "{prog}", "{report}"]\nfd_store_max = 1\n'
+                                        'restart = "always"\nrestart_sec = 0\n'}))
+    got = wait_for(lambda: report.exists() and report.read_text(), 20,
+                   lambda: f"the next instance's report (unit {d.unit('u')}, log:\n{d.log()[-2000:]})")
+    first = int(got.split()[-1])
+    assert got == f"kept by {first}" and first != d.unit("u")["pid"], got

@@ -367,7 +367,6 @@ def test_step_is_pure_no_io_no_asyncio():
     assert not imported & {"asyncio", "os", "socket", "subprocess", "time", "signal", "select"}, imported
 
 
-@pytest.mark.fast
 def test_the_man_page_and_the_architecture_page_show_the_diagram_generated_from_the_table():
     man = (REPO / "man" / "omnid.unit.5").read_text()
     block = man.split(".SS Lifecycle", 1)[1].split(".nf\n", 1)[1].split("\n.fi", 1)[0]

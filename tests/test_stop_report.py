@@ -12,16 +12,28 @@ daemon's log for what it says it did (no SIGKILL sent, no "stop timeout")."""
 
 from __future__ import annotations
 
-import json
+import asyncio
+import io
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import redirect_stdout
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from structlog.testing import capture_logs
 
+from omnid.cli.render import print_summary
+from omnid.core import cleanup
+from omnid.core.lifecycle import (Cause, DecideRestart, Event, Phase, Publish, Release, ReportUnkillable, Step,
+                                  UnitState, View, WaitRelease, step)
+from omnid.daemon import record as reexecrecord
+from omnid.process import privatetmp
+from omnid.process.termination import StopRecord, Termination
 from tests.harness import alive, make_stack, repo_pythonpath, wait_for
 
 PY = sys.executable
@@ -156,7 +168,7 @@ def test_a_reexec_hands_a_removal_under_way_over_and_the_new_program_finishes_it
     seen = lambda: f"log:\n{d.log()[-4000:]}"  # noqa: E731
     events = d.log_events()
     execs = [i for i, e in enumerate(events) if e.get("event") == "re-executing"]
-    assert len(execs) == 1, seen()
+    assert len(execs) == 1 and events[execs[0]].get("removals_handed_over") == ["u"], seen()
     before = [e for e in events[:execs[0]] if e.get("event") == "leftovers removed"]
     assert before == [], f"the removal ended before the re-exec: nothing was handed over; {seen()}"
     assert d.unit("u")["state"] == "failed" and not alive(pid), seen()
@@ -169,3 +181,143 @@ def test_a_reexec_hands_a_removal_under_way_over_and_the_new_program_finishes_it
           f"{done[0]['seconds']} s; gone {took:.2f} s after the re-exec began")
     wait_for(lambda: path not in (d.state_dir / "tmpdirs.json").read_text(), 10,
              lambda: f"the record to drop {path}: {(d.state_dir / 'tmpdirs.json').read_text()}")
+
+
+
+# ------------------------------------------------------------ the parts, one by one
+S, P, E = UnitState, Phase, Event
+
+
+@pytest.mark.parametrize("phase", [P.SIGNALLED, P.KILLED])
+def test_gone_ends_the_stop_and_the_removal_is_a_step_of_its_own(phase):
+    """GONE leaves the position whose timers bound the stop; a planned stop whose instance left
+    something goes to stopping/releasing, where the removal (WaitRelease) is awaited; a failure
+    is failed at once (its removal is Release's task); nothing left: inactive at once."""
+    def at(event=E.GONE, **kw):
+        return step(View("u", S.STOPPING, phase, **kw), event)
+
+    for cause in (Cause.REQUEST, Cause.SHUTDOWN, Cause.REQUIREMENT, Cause.GROUP):
+        assert at(cause=cause, cleanup=True) == Step(S.STOPPING, P.RELEASING, (WaitRelease(),))
+        assert at(cause=cause, cleanup=False) == Step(S.INACTIVE, P.IDLE, (Release(), Publish()))
+    assert at(cause=Cause.FAILURE, cleanup=True) == Step(S.FAILED, P.IDLE, (Release(), DecideRestart(), Publish()))
+    assert step(View("u", S.STOPPING, P.RELEASING, cause=Cause.REQUEST, cleanup=True), E.RELEASED) == \
+        Step(S.INACTIVE, P.IDLE, (Release(), Publish()))
+    # the timers of the stop mean nothing once it is over
+    for ev in (E.STOP_TIMEOUT, E.KILL_TIMEOUT):
+        assert step(View("u", S.STOPPING, P.RELEASING, cause=Cause.REQUEST), ev) == Step(S.STOPPING, P.RELEASING)
+    if phase is P.KILLED:  # unkillable: said, then the removal all the same
+        assert at(E.KILL_TIMEOUT, cause=Cause.REQUEST, cleanup=True) == \
+            Step(S.STOPPING, P.RELEASING, (ReportUnkillable(), WaitRelease()))
+
+
+class _Target:
+    name = "u"
+
+    def __init__(self) -> None:
+        self.killed = 0
+
+    def kill_all(self) -> None:
+        self.killed += 1
+
+
+@pytest.mark.parametrize("gone", [False, True], ids=["alive", "proven-gone"])
+def test_a_sigkill_at_a_bound_says_which_bound_and_only_if_it_was_sent(gone):
+    term = Termination(_Target())  # type: ignore[arg-type]
+    term.t0, term.rec.signal, term.proven_gone = time.monotonic(), "SIGTERM", gone
+    with capture_logs() as logs:
+        term.escalate("leftover timeout")
+    said = [e["event"] for e in logs]
+    if gone:
+        assert (term.target.killed, term.rec.escalated, said) == (0, False, ["leftover timeout: nothing left to signal"])
+    else:
+        assert (term.target.killed, term.rec.escalated, said) == (1, True, ["leftover timeout: sent SIGKILL"])
+
+
+def _summary(**extra) -> dict:
+    rec = StopRecord(unit="worker", signal="SIGTERM", seconds=0.0012, escalated=False, was="active")
+    return {**rec.to_json(), **extra}
+
+
+def test_the_summary_prints_the_cleanup_on_its_own_line_with_its_own_time():
+    out = io.StringIO()
+    with redirect_stdout(out):
+        print_summary([_summary(cleanup_seconds=3.2141, tmp_entries=150301),
+                       _summary(unit="engine", cleanup_seconds=10.0023, tmp_entries=999999,
+                                tmp_left="/tmp/omnid-engine-x: not fully removed: its removal reached its bound"),
+                       _summary(unit="api", cleanup_seconds=0.0002, tmp_entries=None)])
+    lines = out.getvalue().splitlines()
+    assert lines[1].split() == ["worker", "SIGTERM", "0.001s", "no", "-", "none"], lines
+    assert lines[4:] == ["worker: cleanup 3.214s: private tmp removed (150301 entries)",
+                         "engine: cleanup 10.002s: private tmp NOT removed: /tmp/omnid-engine-x: not fully removed: "
+                         "its removal reached its bound"], lines
+
+
+def test_a_summary_from_a_daemon_before_the_cleanup_step_prints_as_before():
+    old = {k: v for k, v in _summary().items() if k not in ("cleanup_seconds", "tmp_entries", "tmp_left")}
+    out = io.StringIO()
+    with redirect_stdout(out):
+        print_summary([old])
+    assert len(out.getvalue().splitlines()) == 2, out.getvalue()
+    assert StopRecord.from_json(old).cleanup_seconds is None
+
+
+def test_the_stop_record_and_the_removals_handed_over_fit_the_reexec_schema():
+    rec = StopRecord(unit="u", signal="SIGTERM", seconds=0.001, escalated=False, cleanup_seconds=3.2,
+                     tmp_entries=150301, tmp_left="")
+    reexecrecord.STOP.check(rec.to_json(), True)
+    assert StopRecord.from_json(rec.to_json()) == rec
+    handed = {"ipc": {}, "tmp": {}, "due": [], "held": [],
+              "removing": [{"unit": "u", "tmp": {"unit": "u", "path": "/tmp/omnid-u-x", "dev": 1, "ino": 2, "uid": 0},
+                            "remove_ipc": True, "ipc": None}]}
+    reexecrecord.CLEANUP.check(handed, True)
+    with pytest.raises(reexecrecord.ShapeError):
+        reexecrecord.CLEANUP.check({**handed, "removing": [{"unit": "u"}]}, True)
+
+
+def test_a_removal_under_way_is_handed_over_and_done_again_by_the_next_program(tmp_path, monkeypatch):
+    """The old program's thread is stopped by its exec (here: it waits until the test lets it);
+    the record names the directory; the next program removes it from the start."""
+    d = privatetmp.create("u", None, None)
+    for i in range(50):
+        Path(d.path, f"f{i}").write_text("x")
+    real_remove, started, let_go = privatetmp.remove, threading.Event(), threading.Event()
+
+    def slow_remove(td, **kw):
+        started.set()
+        let_go.wait(30)
+        return real_remove(td, **kw)
+
+    async def old_program() -> dict:
+        c = cleanup.UnitCleanup("token", str(tmp_path))
+        c.tmp["u"], c._due = d, {"u"}
+        c.record.add(d)
+        rt = SimpleNamespace(name="u", spec=SimpleNamespace(remove_ipc=True), ipc_removed=[])
+        task = c.remove(rt)
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+        handed = c.handover()
+        let_go.set()
+        await task
+        return handed
+
+    monkeypatch.setattr(privatetmp, "remove", slow_remove)
+    handed = asyncio.run(old_program())
+    assert [r["unit"] for r in handed["removing"]] == ["u"] and handed["removing"][0]["tmp"]["path"] == d.path
+    assert handed["tmp"] == {} and handed["due"] == []
+    monkeypatch.setattr(privatetmp, "remove", real_remove)
+    os.makedirs(d.path, exist_ok=True)  # as if the old program's thread had ended at its exec
+    st = os.stat(d.path)
+    handed["removing"][0]["tmp"].update(dev=st.st_dev, ino=st.st_ino)
+    Path(d.path, "left").write_text("y")
+
+    async def new_program() -> None:
+        c = cleanup.UnitCleanup("token", str(tmp_path))
+        c.take_over(handed)
+        with capture_logs() as logs:
+            await c.sweep_previous()
+            await c.settle()
+        done = [e for e in logs if e["event"] == "leftovers removed"]
+        assert [(e["unit"], e["handed_over"], e["private_tmp_entries"]) for e in done] == \
+            [("u", "by the program before a re-exec", 1)], logs
+
+    asyncio.run(new_program())
+    assert not os.path.lexists(d.path)

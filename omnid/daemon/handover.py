@@ -5,7 +5,9 @@ pid, and keeps every unit running (omnid(8), RE-EXEC). This module is both halve
   posix_spawn: the daemon never forks), waits until no unit is mid-spawn or mid-stop
   (converge holds new work meanwhile), writes everything a running daemon knows into
   a memfd -- settings, the stack's source texts, the token, every unit's runtime
-  record, restart books, recent log lines -- marks the fds to keep inheritable (the
+  record, restart books, recent log lines, the removals of failed units' leftovers
+  still under way (their threads end with the exec; the new program does each again,
+  omnid.core.cleanup) -- marks the fds to keep inheritable (the
   spawner's socket and pidfd, the notify and health sockets, the state directory's
   lock, each unit's pidfd and output pipes) and execs
   `python -m omnid daemon --takeover FD`;
@@ -242,8 +244,9 @@ async def hand_over(daemon: Any, check: ProgramCheck) -> None:
         rec["exec_at"] = time.monotonic()  # the same clock in the next program: it times the handover
         memfd = reexecrecord.write(rec)
         keep_across_exec([*fds, memfd])
+        removing = [r["unit"] for r in (rec.get("cleanup") or {}).get("removing", [])]
         log.info("re-executing", program=" ".join(check.argv), to_version=check.version, units=len(sup.units),
-                 fds=len(fds))
+                 fds=len(fds), **({"removals_handed_over": removing} if removing else {}))
         try:
             exec_takeover(memfd, daemon.cfg, daemon.log_file)
         finally:

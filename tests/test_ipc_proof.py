@@ -550,3 +550,83 @@ def test_a_strangers_environment_is_never_read(mm_locked):
     finally:
         stand_in.stdin.close()
         stand_in.wait(10)
+
+
+# main NAME: starts (1) a child in its session and group with an empty environment, which
+# creates /dev/shm/NAME_child_<pid>, and (2) through a parent that exits at once, an orphan in
+# a session of its own, empty environment too, which waits to be reparented (to omnid's
+# spawner, the subreaper) and then creates /dev/shm/NAME_orphan_<pid>. Neither can be
+# proven by its environment; both live until killed.
+TIES = r"""
+import os, subprocess, sys, time
+mode, name = sys.argv[1], sys.argv[2]
+def make(kind):
+    os.close(os.open(f"/dev/shm/{name}_{kind}_{os.getpid()}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+if mode == "main":
+    subprocess.Popen([sys.executable, sys.argv[0], "child", name], env={})
+    subprocess.Popen([sys.executable, sys.argv[0], "parent", name], env={}, start_new_session=True).wait()
+elif mode == "parent":
+    subprocess.Popen([sys.executable, sys.argv[0], "orphan", name, str(os.getpid())], env={})
+    sys.exit(0)
+elif mode == "orphan":
+    deadline = time.monotonic() + 30
+    while os.getppid() == int(sys.argv[3]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    make("orphan")
+else:
+    make("child")
+time.sleep(1000)
+"""
+
+
+@pytest.mark.parametrize("backend", ["process-group", "cgroup"])
+def test_a_creator_tied_by_lineage_or_cgroup_needs_no_environment(daemon_factory, backend):
+    """A child of the unit's main process with an empty environment creates an entry: its
+    ancestry (/proc/PID/stat) proves it the unit's, and the entry goes with the unit (before,
+    only the environment could: it stayed). An orphan in a session of its own, reparented to
+    the spawner, with an empty environment: in the unit's cgroup that proves it; with only a
+    process group nothing does, and its entry is left alone (not guessed)."""
+    from tests.harness import alive, cgroup2_for_tests
+
+    env = {}
+    if backend == "cgroup":
+        mount, missing = cgroup2_for_tests()
+        if mount is None:
+            pytest.skip(missing)
+        env["OMNID_TEST_CGROUP"] = "1"
+    prog = script(TIES, "ties.py")
+    name = f"omtties{os.getpid()}"
+    d = daemon_factory(make_stack({"t": f"exec = {json.dumps([PY, prog, 'main', name])}\nstop_timeout = 5\n"}),
+                       env=env)
+    orphan = None
+
+    def entries() -> dict[str, int]:
+        """kind -> the creator's pid, from the names in /dev/shm"""
+        return {n.split("_")[1]: int(n.split("_")[2]) for n in os.listdir("/dev/shm") if n.startswith(name + "_")}
+
+    try:
+        d.wait_state("t", "active")
+        made = wait_for(lambda: len(e := entries()) == 2 and e, 20,
+                        lambda: f"both entries (saw {entries()}; log:\n{d.log()[-2000:]})")
+        orphan = made["orphan"]
+        rec = d.ok("stop", {"units": ["t"]})["summary"][0]
+        left = entries()
+        assert "child" not in left, f"the child's entry is left: {rec.get('ipc_removed')}\n{d.log()[-3000:]}"
+        assert any(f"{name}_child_" in x for x in rec["ipc_removed"]), rec
+        if backend == "cgroup":
+            assert "orphan" not in left and any(f"{name}_orphan_" in x for x in rec["ipc_removed"]), (left, rec)
+            assert not alive(orphan), "the orphan outlived its unit's cgroup"
+        else:
+            assert "orphan" in left and alive(orphan), (left, rec)
+        print(f"\n[{backend}] removed: {rec['ipc_removed']}; left: {sorted(left)}")
+    finally:
+        if orphan is not None and alive(orphan):
+            fd = os.pidfd_open(orphan)
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            finally:
+                os.close(fd)
+            wait_for(lambda: not alive(orphan), 10, f"the orphan (pid {orphan}) to be gone")
+        for n in os.listdir("/dev/shm"):
+            if n.startswith(name + "_"):
+                os.unlink(f"/dev/shm/{n}")

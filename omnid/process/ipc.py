@@ -30,6 +30,7 @@ stay; System V attribution works as above.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import os
@@ -51,6 +52,8 @@ SHM_DIR = "/dev/shm"
 SYSVIPC = "/proc/sysvipc"
 MAX_OBJECTS = 4096  # per unit: what a unit creating millions of entries can cost
 MAX_PIDS = 4096
+MAX_UNRESOLVED = 1024  # creators seen before their unit's main process was recorded
+UNRESOLVED_KEEP_S = 30.0  # a spawn's answer comes within 15 s (SPAWN_REPLY_TIMEOUT_S)
 ENVIRON_MAX_OUT = 4  # environment reads not returned (a process holding its memory lock) before refusals
 ENVIRON_WAIT_S = 0.25  # the listener's wait for one; a later answer still attributes
 STOP_WAIT_S = 2.0  # ShmWatch.stop(): the listener's end and its queue's lock, at most
@@ -112,6 +115,9 @@ class IpcBook:
         self._cgroup: dict[str, str] = {}  # unit -> its main process's cgroup, when not the daemon's own
         self._own_cgroup = _cgroup_of(os.getpid())
         self.environ = EnvironReads()
+        # creators of ours nothing tied when seen: matched against each main process recorded after
+        self._unresolved: collections.deque[tuple[proof.Creator, str, float]] = collections.deque(
+            maxlen=MAX_UNRESOLVED)
         self.unattributed = 0  # creators that were gone, or not ours, when their event was read
 
     def begin(self, unit: str, uid: int) -> None:
@@ -123,15 +129,33 @@ class IpcBook:
             self.units[unit] = UnitIpc(unit, uid, time.time())
 
     def add_pid(self, unit: str, pid: int) -> None:
-        """The instance's main process (spawned: it joined its cgroup before exec)."""
-        cg = _cgroup_of(pid)  # a small read that takes no lock of the process's
+        """The instance's main process (spawned: it joined its cgroup before exec). Creators
+        seen before it was recorded, and tied to it, are the unit's now."""
+        cg = _cgroup_of(pid)  # small reads that take no lock of the process's
+        st = linux.read_stat(pid)
+        tied: list[tuple[int, str]] = []
         with self._lock:
             u = self.units.get(unit)
-            if u is not None and len(u.pids) < MAX_PIDS:
-                u.pids.add(pid)
-                self._pid_unit[pid] = unit
-                if cg is not None and cg != self._own_cgroup and cg != "/":
-                    self._cgroup[unit] = cg
+            if u is None or len(u.pids) >= MAX_PIDS:
+                return
+            u.pids.add(pid)
+            self._pid_unit[pid] = unit
+            if cg is not None and cg != self._own_cgroup and cg != "/":
+                self._cgroup[unit] = cg
+            else:
+                cg = None
+            horizon = time.monotonic() - UNRESOLVED_KEEP_S
+            keep: collections.deque[tuple[proof.Creator, str, float]] = collections.deque(maxlen=MAX_UNRESOLVED)
+            for c, name, seen in self._unresolved:
+                if seen < horizon:
+                    continue
+                if proof.creator_tied_to(c, pid, st.start_time if st else None, cg):
+                    tied.append((c.pid, name))
+                else:
+                    keep.append((c, name, seen))
+            self._unresolved = keep
+        for creator, name in tied:
+            self._record(unit, creator, name)
 
     def _forget(self, u: UnitIpc) -> None:
         for p in u.pids:
@@ -155,6 +179,9 @@ class IpcBook:
             tag = self.environ.unit_of(pid, self.token, late=lambda unit: self._record(unit, pid, name))
         if tag is None:
             self.unattributed += 1
+            if facts.descends:  # perhaps a unit whose spawn's answer has not been read yet
+                with self._lock:
+                    self._unresolved.append((facts, name, time.monotonic()))
             return
         self._record(tag, pid, name)
 
@@ -219,7 +246,7 @@ def _creator_facts(pid: int, root_pid: int, max_depth: int = 64) -> proof.Creato
     st = linux.read_stat(pid)
     if st is None:
         return proof.Creator(pid, gone=True)
-    lineage = [pid]
+    lineage, starts = [pid], [st.start_time]
     descends = pid == root_pid
     cur = st
     while not descends and cur.ppid > 1 and len(lineage) < max_depth:
@@ -227,10 +254,11 @@ def _creator_facts(pid: int, root_pid: int, max_depth: int = 64) -> proof.Creato
         if parent is None or parent.start_time > cur.start_time:
             break
         lineage.append(parent.pid)
+        starts.append(parent.start_time)
         descends = parent.pid == root_pid
         cur = parent
-    return proof.Creator(pid, gone=False, lineage=tuple(lineage), sid=st.sid, pgid=st.pgid, descends=descends,
-                         cgroup=_cgroup_of(pid))
+    return proof.Creator(pid, gone=False, lineage=tuple(lineage), starts=tuple(starts), sid=st.sid, pgid=st.pgid,
+                         descends=descends, cgroup=_cgroup_of(pid))
 
 
 def _unit_of(pid: int, token: str) -> str | None:

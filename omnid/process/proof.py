@@ -149,6 +149,7 @@ class Creator:
     pid: int
     gone: bool  # its /proc/PID/stat could not be read
     lineage: tuple[int, ...] = ()  # pid, its parent, ... (each started no later than its child)
+    starts: tuple[int, ...] = ()  # their start times (clock ticks since boot), in the same order
     sid: int = 0
     pgid: int = 0
     descends: bool = False  # the lineage reaches this daemon
@@ -184,6 +185,26 @@ def creator_unit(c: Creator, pid_unit: Mapping[int, str], cgroup_unit: Mapping[s
             if c.cgroup == cg or c.cgroup.startswith(cg + "/"):
                 return Attribution(unit, f"it is in the unit's cgroup {cg}")
     return Attribution(None, "a descendant of this daemon that no pid or cgroup ties to a unit", ask_environ=True)
+
+
+def creator_tied_to(c: Creator, pid: int, start_time: int | None, cgroup: str | None) -> Verdict:
+    """A creator seen before the unit's main process was recorded (a spawn's answer can reach
+    the daemon after the unit's first creations): is it that process (same start time), one
+    of its descendants, in its session or process group, or in its own cgroup?"""
+    if c.gone or not c.descends:
+        return _no("not a live descendant of this daemon when seen")
+    if start_time is not None:
+        for p, st in zip(c.lineage, c.starts):
+            if p == pid and st == start_time:
+                return _yes(f"pid {pid}, the instance's main process, is the creator or its ancestor")
+    # A session or group leader started no later than its member: a number reused since is not it.
+    if start_time is not None and c.starts and start_time <= c.starts[0]:
+        for what, p in (("session", c.sid), ("process group", c.pgid)):
+            if p == pid:
+                return _yes(f"its {what} is the instance's pid {pid}")
+    if cgroup is not None and c.cgroup is not None and (c.cgroup == cgroup or c.cgroup.startswith(cgroup + "/")):
+        return _yes(f"it is in the unit's cgroup {cgroup}")
+    return _no(f"nothing ties it to pid {pid}")
 
 
 def posix_entry(inst: Instance, name: str, recorded_ino: int, st: os.stat_result) -> Verdict:

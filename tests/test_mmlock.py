@@ -108,6 +108,42 @@ def test_fm_a_held_process_s_tags_are_not_read_and_cost_a_caller_its_bound_once(
     wait_for(lambda: reader.out() == [], 10, lambda: f"the read to return (out: {reader.out()})")
 
 
+def test_fm_prefetch_awaits_a_held_process_s_read_its_bound_while_the_loop_runs(held):
+    import asyncio
+
+    reader = tagmod.TagReader()
+    me = linux.read_stat(os.getpid())
+    assert me is not None
+
+    async def main() -> tuple[float, int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.005)
+                ticks += 1
+
+        ticker = asyncio.get_running_loop().create_task(tick())
+        t0 = time.monotonic()
+        await reader.prefetch([(held.pid, linux.read_stat(held.pid).start_time), (me.pid, me.start_time)], 0.2)
+        took = time.monotonic() - t0
+        ticker.cancel()
+        return took, ticks
+
+    took, ticks = asyncio.run(main())
+    print(f"prefetch {took * 1000:.0f} ms, the loop ticked {ticks} times meanwhile")
+    assert 0.2 <= took < 0.5, took
+    assert ticks >= 10, ticks  # 5 ms ticks through a 200 ms await: the loop was never held
+    t0 = time.monotonic()
+    assert reader.get(held.pid, wait=1.0) is None  # still out: answered at once
+    mine = reader.get(os.getpid(), me.start_time, wait=0.0)  # read by the prefetch
+    assert time.monotonic() - t0 < 0.005
+    assert mine is not None and mine.unit == os.environ.get(tagmod.UNIT_TAG), mine
+    held.fs.abort()
+    wait_for(lambda: reader.out() == [], 10, lambda: f"the read to return (out: {reader.out()})")
+
+
 def test_fm_past_max_out_reads_no_new_one_starts(held):
     reader = tagmod.TagReader(max_out=1)
     assert reader.get(held.pid, wait=0.01) is None

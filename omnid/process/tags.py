@@ -17,8 +17,10 @@ they count it.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import structlog
@@ -33,6 +35,7 @@ UNIT_TAG = "OMNID_UNIT"
 DAEMON_TAG = "OMNID_DAEMON"
 
 LOOP_WAIT_S = 0.02  # what a caller on the event loop waits for one read (a readable one takes ~0.1 ms)
+PREFETCH_S = 0.5  # what an async caller awaits for a batch of reads (the loop runs meanwhile)
 MAX_OUT = 8  # reads not returned before no new one is started
 KEEP_S = 1.0  # how long an answer is reused: a unit's stop asks about the same processes a few times
 
@@ -51,6 +54,7 @@ class _Read:
         self.done = threading.Event()
         self.since = time.monotonic()
         self.tags = _NONE
+        self.callbacks: list[Callable[[], None]] = []  # run on the reading thread once done
 
 
 class TagReader:
@@ -85,37 +89,72 @@ class TagReader:
                 return _NONE
             start_time = st.start_time
         key = (pid, start_time)
+        asked = self._ask(key)
+        if not isinstance(asked, _Read):
+            return asked
+        if asked.done.wait(wait):
+            return asked.tags
+        self._not_read_in(key, wait)
+        return None
+
+    async def prefetch(self, procs: Iterable[tuple[int, int]], bound: float = PREFETCH_S) -> None:
+        """Read the tags of `procs` ((pid, start time) each) not read lately, awaiting them at most
+        `bound` while the loop runs: a get() of them right after is answered from what was read,
+        and one of a process whose read is still out is answered None at once."""
+        loop = asyncio.get_running_loop()
+        waits: dict[asyncio.Future, tuple[int, int]] = {}
+        for key in procs:
+            asked = self._ask(key)
+            if isinstance(asked, _Read):
+                fut = loop.create_future()
+                self._on_done(asked, lambda fut=fut: _settle_threadsafe(loop, fut))
+                waits[fut] = key
+        if not waits:
+            return
+        _done, pending = await asyncio.wait(waits, timeout=max(0.0, bound))
+        for fut in pending:
+            fut.cancel()
+            self._not_read_in(waits[fut], bound)
+
+    def _ask(self, key: tuple[int, int]) -> Tags | _Read | None:
+        """An answer read lately, a read started now to wait for, or None: a read of it is out
+        already (whoever started it waited its bound), or max_out reads are."""
         now = time.monotonic()
         with self._lock:
             hit = self._known.get(key)
             if hit is not None and now - hit[1] < KEEP_S:
                 return hit[0]
-            read = self._out.get(key)
-            if read is not None:
+            if key in self._out:
                 self.not_read += 1
-                return None  # out already: whoever started it waited its bound
-            if len(self._out) >= self.max_out:
+                return None
+            full = len(self._out) >= self.max_out
+            if full:
                 self.not_read += 1
-                full = True
+                said, self._full_said = self._full_said, True
             else:
-                full = False
                 read = self._out[key] = _Read()
         if full:
-            with self._lock:
-                said, self._full_said = self._full_said, True
             if not said:
-                log.warning("tags of processes not read while reads are out", reader=self.name, pid=pid,
+                log.warning("tags of processes not read while reads are out", reader=self.name, pid=key[0],
                             reason=f"{self.max_out} reads of other processes' environments have not returned "
                                    f"(their memory locks held?): {self.out()}")
             return None
-        assert read is not None
-        threading.Thread(target=self._read, args=(key, read), name=f"omnid-{self.name} {pid}", daemon=True).start()
-        if read.done.wait(wait):
-            return read.tags
-        self.not_read += 1
+        threading.Thread(target=self._read, args=(key, read), name=f"omnid-{self.name} {key[0]}",
+                         daemon=True).start()
+        return read
+
+    def _on_done(self, read: _Read, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if not read.done.is_set():
+                read.callbacks.append(fn)
+                return
+        fn()
+
+    def _not_read_in(self, key: tuple[int, int], wait: float) -> None:
+        with self._lock:
+            self.not_read += 1
         self._say_once(key, f"its environment was not read within {wait * 1000:.0f} ms "
                             "(its memory lock is held?); taken as not proven ours until it is")
-        return None
 
     def _read(self, key: tuple[int, int], read: _Read) -> None:
         pid, start = key
@@ -133,7 +172,10 @@ class TagReader:
             self._said.discard(key)
             if len(self._out) < self.max_out:
                 self._full_said = False
-        read.done.set()
+            read.done.set()
+            callbacks, read.callbacks = read.callbacks, []
+        for fn in callbacks:
+            fn()
         if was_said:
             log.info("a process's environment was read at last", pid=pid,
                      after_s=round(time.monotonic() - read.since, 1))
@@ -160,6 +202,17 @@ def _environ_vars(pid: int, names: tuple[str, ...]) -> dict[str, str]:
             if item.startswith(prefix) and name not in out:
                 out[name] = item[len(prefix):].decode(errors="replace")
     return out
+
+
+def _settle_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
+    def settle() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the loop is closed: nobody waits
+        pass
 
 
 # The daemon's reader for its units' processes (the spawner's descendants, GPU holders, notify

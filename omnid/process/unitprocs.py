@@ -29,8 +29,8 @@ from collections.abc import Container
 from typing import Protocol
 
 from omnid.base import linux
+from omnid.process import tags
 from omnid.process.handle import ProcessHandle, Survivor, find_residue, group_alive, tagged
-from omnid.process.tags import tags_of
 
 POLL_S = 0.005
 MAX_BACKOFF_S = 0.25  # wait_gone: the longest pause between two scans (off the loop) of a group
@@ -149,6 +149,11 @@ class GroupProcesses:
                 fds.append(fd)
         return left, fds
 
+    def _in_group(self, p: linux.ProcStat) -> bool:
+        """A live process of the unit's group or session (not a unit's main process)."""
+        return (p.pgid == self.h.pgid or p.sid == self.h.pgid) and p.pid not in self.mains \
+            and p.state not in ("Z", "X")
+
     def _dying_orphan(self, p: linux.ProcStat) -> bool:
         """A member the spawner adopted whose tag cannot be read: a SIGKILLed process tearing
         down its memory (a large engine takes a while) has no environment to read and is not
@@ -158,7 +163,7 @@ class GroupProcesses:
         it is waited for (to the wait's deadline), never signalled on that count."""
         if p.ppid != self.spawner_pid:
             return False
-        t = tags_of(p.pid, p.start_time)
+        t = tags.tags_of(p.pid, p.start_time)
         return t is None or t.unit is None
 
     async def wait_gone(self, deadline: float) -> bool:
@@ -174,7 +179,11 @@ class GroupProcesses:
         # member forked since the walk) is looked at again with back-off.
         delay = POLL_S
         while group_alive(self.h.pgid):
-            left, fds = self._hold_members(await stack_walk(self.spawner_pid, self.mains))
+            procs = await stack_walk(self.spawner_pid, self.mains)
+            # The members' tags are read while the loop runs: _hold_members then waits on none.
+            await tags.reader.prefetch(((p.pid, p.start_time) for p in procs if self._in_group(p)),
+                                       min(tags.PREFETCH_S, max(0.0, deadline - time.monotonic())))
+            left, fds = self._hold_members(procs)
             try:
                 if not left:
                     return True

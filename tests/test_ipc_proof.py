@@ -504,8 +504,7 @@ def test_a_creator_whose_memory_lock_is_held_stalls_neither_the_listener_nor_its
                          f"creator? its thread: {MmLocked.wchan(watch._thread.native_id, os.getpid())!r})")
         attributed_s = time.monotonic() - t0
         assert mm_locked.name not in book.units["u"].shm, "an entry whose creator nothing proves was attributed"
-        assert book.environ.timed_out == 1 and list(book.environ.out) == [mm_locked.pid], \
-            (book.environ.timed_out, book.environ.out)
+        assert [pid for pid, _ in book.tags.out()] == [mm_locked.pid], book.tags.out()
         t1 = time.monotonic()
         stopper = threading.Thread(target=lambda: stopped.append(watch.stop()), daemon=True)
         stopper.start()
@@ -524,7 +523,7 @@ def test_a_creator_whose_memory_lock_is_held_stalls_neither_the_listener_nor_its
             watch.stop()
         if os.path.lexists(f"/dev/shm/{tied}"):
             os.unlink(f"/dev/shm/{tied}")
-        wait_for(lambda: not book.environ.out, 10, "the environment read to return once released")
+        wait_for(lambda: not book.tags.out(), 10, "the environment read to return once released")
 
 
 def test_a_strangers_environment_is_never_read(mm_locked):
@@ -534,22 +533,27 @@ def test_a_strangers_environment_is_never_read(mm_locked):
     from omnid.process import ipc
 
     stand_in = subprocess.Popen([PY, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    books = []
     try:
         mm_locked.make()
         for root, wait_at_most in ((stand_in.pid, 0.1), (os.getpid(), ipc.ENVIRON_WAIT_S + 0.5)):
             book = ipc.IpcBook("token", root_pid=root)
+            books.append(book)
             book.begin("u", 0)
             t0 = time.monotonic()
             book.created(mm_locked.pid, mm_locked.name)
             took = time.monotonic() - t0
             assert took < wait_at_most and not book.units["u"].shm, (root, took, book.units["u"].shm)
-            asked = book.environ.timed_out
-            assert asked == (0 if root == stand_in.pid else 1), (root, asked, book.environ.out)
+            asked = [pid for pid, _ in book.tags.out()]
+            assert asked == ([] if root == stand_in.pid else [mm_locked.pid]), (root, asked)
             print(f"\nroot {'stand-in' if root == stand_in.pid else 'this process'}: created() took "
-                  f"{took * 1000:.1f} ms, environment reads timed out: {asked}")
+                  f"{took * 1000:.1f} ms, environment reads out: {asked}")
     finally:
         stand_in.stdin.close()
         stand_in.wait(10)
+        mm_locked.release()
+        for book in books:
+            wait_for(lambda: not book.tags.out(), 10, "the environment read to return once released")
 
 
 # main NAME: starts (1) a child in its session and group with an empty environment, which

@@ -12,9 +12,12 @@ Facts gathered here:
   time, reads facts of the creator that take no lock of its own (/proc/PID/stat: its
   ancestors, session, process group; /proc/PID/cgroup). Only a descendant of this daemon
   that none of these ties to a unit has its environment read (this daemon's token
-  OMNID_DAEMON and OMNID_UNIT), on a thread of its own with a bound (EnvironReads): such a
-  read takes the process's memory lock, which its owner can hold for good. A stranger's
-  environment is never read. The book records (name, inode) for the unit, and the pid.
+  OMNID_DAEMON and OMNID_UNIT), through omnid.process.tags (a thread of its own per read,
+  waited for ENVIRON_WAIT_S): such a read takes the process's memory lock, which its owner
+  can hold for good. A stranger's environment is never read. A descendant nothing ties is
+  kept (bounded) and tied when its unit's main process is recorded: a spawn's answer can
+  reach the daemon after the unit's first creations. The book records (name, inode) for
+  the unit, and the pid.
 - System V: the /proc/sysvipc rows (a segment's creator pid, owners, times) and, for queues
   and semaphore sets (no creator pid in the kernel), whether the unit's user is a user of
   its own: login.defs, a logind session, a count of that uid's live processes
@@ -38,13 +41,13 @@ import select
 import struct
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
 
 from omnid.base import linux
 from omnid.process import proof
+from omnid.process.tags import TagReader
 
 log = structlog.get_logger("omnid.process.ipc")
 
@@ -55,7 +58,7 @@ MAX_PIDS = 4096
 MAX_UNRESOLVED = 1024  # creators seen before their unit's main process was recorded
 UNRESOLVED_KEEP_S = 30.0  # a spawn's answer comes within 15 s (SPAWN_REPLY_TIMEOUT_S)
 ENVIRON_MAX_OUT = 4  # environment reads not returned (a process holding its memory lock) before refusals
-ENVIRON_WAIT_S = 0.25  # the listener's wait for one; a later answer still attributes
+ENVIRON_WAIT_S = 0.25  # the listener's wait for one (a readable one takes ~0.1 ms)
 STOP_WAIT_S = 2.0  # ShmWatch.stop(): the listener's end and its queue's lock, at most
 DRAIN_LOCK_S = 5.0  # a removal's wait for the listener to finish the batch it is attributing
 UID_SCAN_S = 1.0  # counting a uid's live processes (queues and semaphore sets of a user of its own)
@@ -114,7 +117,7 @@ class IpcBook:
         self._pid_unit: dict[int, str] = {}  # the pids recorded for live instances
         self._cgroup: dict[str, str] = {}  # unit -> its main process's cgroup, when not the daemon's own
         self._own_cgroup = _cgroup_of(os.getpid())
-        self.environ = EnvironReads()
+        self.tags = TagReader(ENVIRON_MAX_OUT, name="shm-creator-tags")
         # creators of ours nothing tied when seen: matched against each main process recorded after
         self._unresolved: collections.deque[tuple[proof.Creator, str, float]] = collections.deque(
             maxlen=MAX_UNRESOLVED)
@@ -176,7 +179,10 @@ class IpcBook:
         found = proof.creator_unit(facts, pid_unit, {cg: u for cg, u in cgroups.items() if u is not None})
         tag = found.unit
         if tag is None and found.ask_environ:
-            tag = self.environ.unit_of(pid, self.token, late=lambda unit: self._record(unit, pid, name))
+            # Takes the creator's memory lock: on a thread of its own, waited for a moment at most.
+            got = self.tags.get(pid, facts.starts[0], wait=ENVIRON_WAIT_S)
+            if got is not None and got.daemon == self.token:
+                tag = got.unit
         if tag is None:
             self.unattributed += 1
             if facts.descends:  # perhaps a unit whose spawn's answer has not been read yet
@@ -259,84 +265,6 @@ def _creator_facts(pid: int, root_pid: int, max_depth: int = 64) -> proof.Creato
         cur = parent
     return proof.Creator(pid, gone=False, lineage=tuple(lineage), starts=tuple(starts), sid=st.sid, pgid=st.pgid,
                          descends=descends, cgroup=_cgroup_of(pid))
-
-
-def _unit_of(pid: int, token: str) -> str | None:
-    """The unit a process belongs to, proven by this daemon's token in its environment.
-    Takes the process's memory lock: only ever called through EnvironReads."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            data = f.read(1 << 20)
-    except OSError:
-        return None
-    unit = None
-    ours = False
-    for item in data.split(b"\0"):
-        if item.startswith(b"OMNID_UNIT="):
-            unit = item[11:].decode(errors="replace")
-        elif item.startswith(b"OMNID_DAEMON="):
-            ours = item[13:].decode(errors="replace") == token
-    return unit if ours else None
-
-
-class EnvironReads:
-    """Reads of /proc/PID/environ, each on a thread of its own (a daemon thread: the exit never
-    waits for it). The caller waits at most `wait_s`; a read that returns later still
-    attributes (`late`). While `max_out` have not returned, or one for the same pid is out, a
-    new one is refused at once: a process that holds its memory lock for good costs one
-    thread and one wait, not the listener."""
-
-    def __init__(self, max_out: int = ENVIRON_MAX_OUT, wait_s: float = ENVIRON_WAIT_S) -> None:
-        self.max_out = max_out
-        self.wait_s = wait_s
-        self._lock = threading.Lock()
-        self.out: dict[int, float] = {}  # pid -> when its read began (monotonic)
-        self.refused = 0
-        self.timed_out = 0
-
-    def unit_of(self, pid: int, token: str, late: Callable[[str], None]) -> str | None:
-        with self._lock:
-            if pid in self.out or len(self.out) >= self.max_out:
-                self.refused += 1
-                oldest = min(self.out.items(), key=lambda kv: kv[1])
-                refused = self.refused
-            else:
-                oldest = None
-                self.out[pid] = time.monotonic()
-        if oldest is not None:
-            if refused == 1 or refused % 100 == 0:
-                log.warning("a /dev/shm entry not attributed: environment reads of other processes have not "
-                            "returned (a process holding its memory lock?)", pid=pid, refused=refused,
-                            oldest_pid=oldest[0], oldest_out_s=round(time.monotonic() - oldest[1], 1))
-            return None
-        done = threading.Event()
-        box: dict[str, object] = {}
-
-        def work() -> None:
-            try:
-                unit = _unit_of(pid, token)
-            except Exception as exc:  # noqa: BLE001 - said, and the read counts as returned
-                log.warning("reading a creator's environment failed", pid=pid, error=str(exc))
-                unit = None
-            with self._lock:
-                self.out.pop(pid, None)
-                box["unit"] = unit
-                gave_up = "gave_up" in box
-            done.set()
-            if gave_up and unit is not None:
-                late(unit)
-
-        threading.Thread(target=work, name=f"omnid-environ {pid}", daemon=True).start()
-        if done.wait(self.wait_s):
-            return box["unit"]  # type: ignore[return-value]
-        with self._lock:
-            if "unit" in box:
-                return box["unit"]  # type: ignore[return-value]
-            box["gave_up"] = True
-            self.timed_out += 1
-        log.warning("a creator's environment did not answer in time; its /dev/shm entry is attributed if it "
-                    "answers later", pid=pid, wait_s=self.wait_s)
-        return None
 
 
 class ShmWatch:

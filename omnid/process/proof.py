@@ -23,8 +23,9 @@ lock) and act only on a `Verdict` that says ours; its reason is for people, neve
 A creator is the unit's when, with no environment read: it is a pid recorded for the
 instance, or it descends from this daemon (its spawner is the units' subreaper) and its
 session, process group or an ancestor (start times checked, so a reused pid breaks the
-chain) is a recorded pid, or it sits in the unit's own cgroup. Only a descendant of this
-daemon that none of these ties is worth its environment (this daemon's token and
+chain) is a recorded pid, or it sits in the unit's own cgroup; one seen before the unit's
+main process was recorded is tied to it when it is (`creator_tied_to`). Only a descendant of
+this daemon that none of these ties is worth its environment (this daemon's token and
 OMNID_UNIT), which the caller reads bounded, off the loop; a stranger's is never read.
 """
 

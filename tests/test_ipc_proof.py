@@ -592,7 +592,7 @@ def test_a_creator_tied_by_lineage_or_cgroup_needs_no_environment(daemon_factory
     process group nothing does, and its entry is left alone (not guessed)."""
     from tests.harness import alive, cgroup2_for_tests
 
-    env = {}
+    env = {"OMNID_TEST_CGROUP": "0"}  # process groups alone, whatever the run's default
     if backend == "cgroup":
         mount, missing = cgroup2_for_tests()
         if mount is None:

@@ -136,6 +136,8 @@ class IpcBook:
         seen before it was recorded, and tied to it, are the unit's now."""
         cg = _cgroup_of(pid)  # small reads that take no lock of the process's
         st = linux.read_stat(pid)
+        if cg is not None and st is not None and cg == _cgroup_of(st.ppid):
+            cg = None  # the spawner's cgroup (no cgroup of its own): shared by every unit, proves none
         tied: list[tuple[int, str]] = []
         with self._lock:
             u = self.units.get(unit)

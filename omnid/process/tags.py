@@ -158,10 +158,15 @@ class TagReader:
 
     def _read(self, key: tuple[int, int], read: _Read) -> None:
         pid, start = key
-        env = _environ_vars(pid, (UNIT_TAG, DAEMON_TAG))
-        # The pid may name another process by now: an answer counts only for the same start.
-        st = linux.read_stat(pid)
-        tags = Tags(env.get(UNIT_TAG), env.get(DAEMON_TAG)) if st is not None and st.start_time == start else _NONE
+        try:
+            env = _environ_vars(pid, (UNIT_TAG, DAEMON_TAG))
+            # The pid may name another process by now: an answer counts only for the same start.
+            st = linux.read_stat(pid)
+            tags = Tags(env.get(UNIT_TAG), env.get(DAEMON_TAG)) if st is not None and st.start_time == start \
+                else _NONE
+        except Exception as exc:  # noqa: BLE001 - the read must end as "out" no longer, whatever happened
+            log.error("reading a process's tags failed", pid=pid, error=f"{type(exc).__name__}: {exc}")
+            tags = _NONE
         read.tags = tags
         with self._lock:
             self._out.pop(key, None)

@@ -634,3 +634,38 @@ def test_a_creator_tied_by_lineage_or_cgroup_needs_no_environment(daemon_factory
         for n in os.listdir("/dev/shm"):
             if n.startswith(name + "_"):
                 os.unlink(f"/dev/shm/{n}")
+
+
+def test_creator_and_segment_rules_by_hand():
+    """The /dev/shm creator and System V segment rules, expectations written by hand: what
+    ties a creator to a unit, what never does, and that a segment's last user proves nothing."""
+    from omnid.process.proof import Creator, Instance, creator_tied_to, creator_unit, sysv_segment
+
+    pids = {100: "a", 200: "b"}
+    cgroups = {"/omnid/a": "a"}
+    live = dict(gone=False, descends=True, sid=7, pgid=7, cgroup="/x")
+    assert creator_unit(Creator(100, gone=True), pids, cgroups).unit == "a"  # the main process, SIGKILLed since
+    assert creator_unit(Creator(300, gone=True), pids, cgroups).unit is None
+    stranger = Creator(100, gone=False, lineage=(100,), starts=(5,), descends=False)
+    assert creator_unit(stranger, pids, cgroups).unit is None and not creator_unit(stranger, pids, cgroups).ask_environ
+    assert creator_unit(Creator(300, lineage=(300, 200, 1), starts=(9, 8, 1), **live), pids, cgroups).unit == "b"
+    assert creator_unit(Creator(300, lineage=(300,), starts=(9,), **{**live, "sid": 100}), pids, cgroups).unit == "a"
+    assert creator_unit(Creator(300, lineage=(300,), starts=(9,), **{**live, "cgroup": "/omnid/a/sub"}),
+                        pids, cgroups).unit == "a"
+    untied = creator_unit(Creator(300, lineage=(300,), starts=(9,), **live), pids, cgroups)
+    assert untied.unit is None and untied.ask_environ
+    # Seen before the main process (pid 50, started at tick 4) was recorded:
+    early = Creator(300, lineage=(300, 50, 1), starts=(9, 4, 1), **live)
+    assert creator_tied_to(early, 50, 4, None)
+    assert not creator_tied_to(early, 50, 6, None), "another process with the same number"
+    assert creator_tied_to(Creator(300, lineage=(300,), starts=(9,), **{**live, "sid": 50}), 50, 4, None)
+    assert not creator_tied_to(Creator(300, lineage=(300,), starts=(9,), **{**live, "sid": 50}), 50, 12, None), \
+        "a session leader that started after its member is a reused number"
+    assert not creator_tied_to(Creator(300, lineage=(300, 50), starts=(9, 4), **{**live, "descends": False}), 50, 4,
+                               None)
+    inst = Instance("a", 0, 1000.0, frozenset({100}))
+    row = {"uid": "0", "cuid": "0", "cpid": "999", "lpid": "100", "ctime": "1001", "nattch": "0"}
+    assert not sysv_segment(inst, row), "attached to by the unit, created by another: not the unit's"
+    assert sysv_segment(inst, {**row, "cpid": "100"})
+    assert not sysv_segment(inst, {**row, "cpid": "100", "nattch": "1"})
+    assert not sysv_segment(inst, {**row, "cpid": "100", "ctime": "900"}), "made before the instance: a reused pid"

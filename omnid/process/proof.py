@@ -127,7 +127,8 @@ def own_user(f: UserFacts) -> Verdict:
 def sysv_keyed(kind: Kind, inst: Instance, row: Mapping[str, str], user: Verdict) -> Verdict:
     """A /proc/sysvipc/msg or sem row: no creator pid in the kernel, so the unit's only when
     its user is a user of its own (`own_user`) that owns and created it after the spawn."""
-    assert kind in (Kind.SYSV_MSG, Kind.SYSV_SEM), kind
+    if kind not in (Kind.SYSV_MSG, Kind.SYSV_SEM):
+        raise ValueError(f"sysv_keyed is for queues and semaphore sets, not {kind.value} (it has a creator pid)")
     try:
         uid, cuid, ctime = int(row["uid"]), int(row["cuid"]), int(row["ctime"])
     except (KeyError, ValueError):

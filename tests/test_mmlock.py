@@ -302,3 +302,16 @@ def test_fm_a_notify_datagram_from_a_held_process_is_answered_within_the_bound(h
     assert out == [None], f"on_notify still out after {took:.1f} s" if not out else out
     assert took < 0.5, took
     assert m.early == {}
+
+
+def test_fm_status_s_kernel_placement_of_a_held_process_is_answered_within_its_bound(held):
+    """`omnid status` shows what the kernel says of a unit's placement: numa_maps waits on the
+    lock (measured), status does not; the line still comes, saying the policy was not read."""
+    from omnid.process import numa
+
+    t0 = time.monotonic()
+    seen = numa.kernel_placement(held.pid)
+    took = time.monotonic() - t0
+    print(f"kernel_placement of the held process: {took * 1000:.0f} ms: {seen}")
+    assert seen is not None and "not read within" in seen and "CPUs" in seen, seen
+    assert took < numa.NUMA_MAPS_WAIT_S + 0.3, took

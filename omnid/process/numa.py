@@ -446,13 +446,33 @@ def kernel_placement(pid: int) -> str | None:
                     mems = line.split(":", 1)[1].strip()
     except OSError:
         return None
-    policy = "?"
-    try:
-        with open(f"/proc/{pid}/numa_maps") as f:
-            policy = memory_policy_of(f.read(65536))
-    except OSError:
-        pass  # a kernel without NUMA support has no numa_maps
+    policy = _numa_policy_bounded(pid)
     return f"CPUs {cpus or '?'}, memory policy {policy} (nodes allowed {mems or '?'})"
+
+
+NUMA_MAPS_WAIT_S = 0.5
+
+
+def _numa_policy_bounded(pid: int) -> str:
+    """The memory policy from /proc/PID/numa_maps, read on a daemon thread and waited for at most
+    NUMA_MAPS_WAIT_S: the read takes the process's mm lock, which it can keep for good (a fault
+    on a hung mount with a thread waiting in mmap; measured on Linux 6.18, numa_maps then never
+    returns, while status does). "?" without NUMA support, "not read" past the wait."""
+    import threading
+
+    out: list[str] = []
+
+    def read() -> None:
+        try:
+            with open(f"/proc/{pid}/numa_maps") as f:
+                out.append(memory_policy_of(f.read(65536)))
+        except OSError:
+            out.append("?")  # a kernel without NUMA support has no numa_maps
+
+    t = threading.Thread(target=read, name=f"numa_maps {pid}", daemon=True)
+    t.start()
+    t.join(NUMA_MAPS_WAIT_S)
+    return out[0] if out else f"not read within {NUMA_MAPS_WAIT_S:g} s (its memory lock is held?)"
 
 
 def memory_policy_of(numa_maps: str) -> str:

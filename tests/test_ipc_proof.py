@@ -669,3 +669,38 @@ def test_creator_and_segment_rules_by_hand():
     assert sysv_segment(inst, {**row, "cpid": "100"})
     assert not sysv_segment(inst, {**row, "cpid": "100", "nattch": "1"})
     assert not sysv_segment(inst, {**row, "cpid": "100", "ctime": "900"}), "made before the instance: a reused pid"
+
+
+def test_shm_watch_stop_is_bounded_when_the_listener_never_returns(tmp_path):
+    """Whatever the listener waits on (here a stand-in that blocks in attribution until told),
+    stop() returns by its bound and says so: the daemon's exit never waits on the listener.
+    Once the listener returns, a second stop() closes its fds."""
+    from omnid.process import ipc
+
+    release = threading.Event()
+    entered = threading.Event()
+
+    class StuckBook(ipc.IpcBook):
+        def created(self, pid: int, name: str) -> None:
+            entered.set()
+            release.wait(60)
+
+    watch = ipc.ShmWatch(StuckBook("token"))
+    why = watch.start()
+    if why:
+        pytest.skip(f"no fanotify here: {why}")
+    name = f"omtstuck_{os.getpid()}"
+    try:
+        with open(f"/dev/shm/{name}", "w"):
+            pass
+        wait_for(entered.is_set, 10, "the listener to take the event")
+        t0 = time.monotonic()
+        done = watch.stop(timeout=1.0)
+        took = time.monotonic() - t0
+        assert done is False and took < 1.5, (done, took)
+        print(f"\nstop() with the listener stuck: returned {done} after {took * 1000:.0f} ms")
+    finally:
+        release.set()
+        assert watch.stop(timeout=10.0), "the listener did not end once released"
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")

@@ -301,7 +301,8 @@ class ShmWatch:
     def stop(self, timeout: float = STOP_WAIT_S) -> bool:
         """The listener told to end and its fds closed, waiting at most `timeout` (the daemon's
         exit must never hang on it). False when it did not end in time: its fds are then left
-        to the exit, since closing them under a reader could hand their numbers to another file."""
+        (to the exit, or to a later stop()), since closing them under a reader could hand their
+        numbers to another file."""
         if self._thread is None:
             return True
         deadline = time.monotonic() + timeout
@@ -310,7 +311,6 @@ class ShmWatch:
         if not self._read.acquire(timeout=max(0.0, deadline - time.monotonic())):
             log.warning("the /dev/shm listener did not end in time; its fds are left to the exit",
                         waited_s=timeout, thread_alive=self._thread.is_alive())
-            self._thread = None
             return False
         try:
             for fd in (self.fd, self._stop_r, self._stop_w):

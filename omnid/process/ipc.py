@@ -513,8 +513,12 @@ def processes_of(uid: int, budget_s: float = UID_SCAN_S) -> int | None:
 
 
 def user_facts(uid: int) -> proof.UserFacts:
+    """What proof.own_user needs; the /proc count only for a uid that could be a user of its own
+    (never for root or a system user: a root unit's death must not scan /proc on the loop)."""
+    sys_max = sys_uid_max()
     session = any(os.path.exists(p) for p in (f"/run/systemd/users/{uid}", f"/run/user/{uid}"))
-    return proof.UserFacts(uid, sys_uid_max(), None if session else processes_of(uid), session)
+    countable = uid > sys_max and uid not in proof.NOBODY_UIDS and not session
+    return proof.UserFacts(uid, sys_max, processes_of(uid) if countable else None, session)
 
 
 def _still_same(o: SysvObject) -> bool:

@@ -76,20 +76,20 @@ def unit_tmp(pid: int) -> str:
     return next(e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"TMPDIR="))
 
 
-def filled_unit(d) -> tuple[int, str]:
-    """A unit `u` running FILLER, once its N_FILES are made: (its pid, its TMPDIR)."""
+def filled_unit(d, n: int = N_FILES) -> tuple[int, str]:
+    """A unit `u` running FILLER, once its n files are made: (its pid, its TMPDIR)."""
     pid = d.wait_state("u", "active")["pid"]
     path = unit_tmp(pid)
     wait_for(lambda: os.path.exists(os.path.join(path, "filled")), 180,
-             lambda: f"{N_FILES} files in {path} (log:\n{d.log()[-2000:]})")
-    assert count_entries(path) == N_FILES + 301
+             lambda: f"{n} files in {path} (log:\n{d.log()[-2000:]})")
+    assert count_entries(path) == n + (n + 499) // 500 + 1
     return pid, path
 
 
-def filler_stack(tmp_path: Path, extra: str = "") -> Path:
+def filler_stack(tmp_path: Path, extra: str = "", n: int = N_FILES) -> Path:
     prog = tmp_path / "filler.py"
     prog.write_text(FILLER)
-    return make_stack({"u": f'exec = ["{PY}", "{prog}", "{N_FILES}"]\n{extra}'})
+    return make_stack({"u": f'exec = ["{PY}", "{prog}", "{n}"]\n{extra}'})
 
 
 def log_lines(d, *events: str) -> list[dict]:
@@ -131,6 +131,20 @@ def test_fm37_a_clean_exit_with_150000_files_in_its_tmpdir_is_reported_as_it_hap
     assert [(e["unit"], e["private_tmp_entries"]) for e in removed] == [("u", N_FILES + 301)], removed
 
 
+
+
+def test_the_stack_stop_reports_the_cleanup_as_its_own_step_too(daemon_factory, tmp_path):
+    """`omnid stop` of the whole stack (the daemon exits after it): the same report, exit 0."""
+    d = daemon_factory(filler_stack(tmp_path, "stop_timeout = 1\nkill_timeout = 1\n", n=20_000))
+    pid, path = filled_unit(d, 20_000)
+    r = subprocess.run([PY, "-m", "omnid", "--control", d.control, "stop"], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=repo_pythonpath()))
+    seen = f"exit {r.returncode}, stdout:\n{r.stdout}\nstderr:\n{r.stderr}\nlog:\n{d.log()[-3000:]}"
+    assert r.returncode == 0 and d.wait_exit(30) == 0, seen
+    assert not alive(pid) and not os.path.lexists(path), seen
+    assert "SIGKILL" not in r.stdout and "UNKILLABLE" not in r.stdout, seen
+    assert [line.split(":")[0] for line in r.stdout.splitlines() if "private tmp removed (20041 entries)" in line] \
+        == ["u"], seen
 
 
 def test_the_end_of_leftover_timeout_says_it_was_the_leftover_timeout(daemon_factory, tmp_path):
@@ -311,8 +325,9 @@ def test_a_removal_under_way_is_handed_over_and_done_again_by_the_next_program(t
 
     async def new_program() -> None:
         c = cleanup.UnitCleanup("token", str(tmp_path))
-        c.take_over(handed)
         with capture_logs() as logs:
+            c.take_over(handed)  # started at once: a restart of the unit waits for it
+            assert c.due("u") and c.handover()["removing"][0]["tmp"]["path"] == d.path
             await c.sweep_previous()
             await c.settle()
         done = [e for e in logs if e["event"] == "leftovers removed"]

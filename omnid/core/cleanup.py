@@ -118,7 +118,6 @@ class UnitCleanup:
         self._last_look = asyncio.Event()  # the daemon stops: every held entry gets its last look now
         self.threads = OwnThreads(MAX_STUCK, kind="removal")
         self._removing: list[_Removing] = []  # removals under way (one per instance)
-        self._handed: list[_Removing] = []  # removals the program before a re-exec had under way
 
     # ------------------------------------------------------------ daemon life
     def start(self) -> None:
@@ -137,12 +136,6 @@ class UnitCleanup:
         taken, self._held_taken = self._held_taken, []
         for u in taken:
             self._look_again(u)
-        handed, self._handed = self._handed, []
-        for r in handed:  # before the sweep's thread: it keeps their directories
-            self._removing.append(r)
-            prev = self._tasks.get(r.unit)
-            self._tasks[r.unit] = unit_task(self._clean(r, after=prev, handed=True), unit=r.unit, kind="cleanup",
-                                            on_crash=lambda exc: None)
         if self.record is not None and self._previous:
             keep = {d.path for d in self.tmp.values()} | {r.tmp.path for r in self._removing if r.tmp is not None}
             previous, self._previous = self._previous, []
@@ -167,7 +160,7 @@ class UnitCleanup:
         return {"ipc": self.book.handover(), "tmp": {k: d.to_json() for k, d in self.tmp.items()},
                 "due": sorted(self._due), "held": [u.to_json() for us in self._held.values() for u in us]
                 + [u.to_json() for u in self._held_taken],
-                "removing": [r.to_json() for r in (*self._removing, *self._handed)]}
+                "removing": [r.to_json() for r in self._removing]}
 
     def take_over(self, d: object) -> None:
         if not isinstance(d, dict):
@@ -189,9 +182,10 @@ class UnitCleanup:
             self._take_removal(r)
 
     def _take_removal(self, r: object) -> None:
-        """A removal the previous program had under way: done again from the start once this
-        program runs (sweep_previous). What its thread had not taken out of the IPC book yet
-        is still in the book handed over, unless a newer instance of the unit owns the record."""
+        """A removal the previous program had under way: done again from the start, now (called
+        on the loop, before any unit is resumed: a restart waits for it as for any removal).
+        What its thread had not taken out of the IPC book yet is still in the book handed over,
+        unless a newer instance of the unit owns the record."""
         if not isinstance(r, dict) or not isinstance(r.get("unit"), str):
             return
         unit = r["unit"]
@@ -201,7 +195,11 @@ class UnitCleanup:
             u = self.book.take(unit)
         if td is not None and self.record is not None:
             self.record.dirs[td.path] = td
-        self._handed.append(_Removing(unit, td, bool(r.get("remove_ipc")), u))
+        work = _Removing(unit, td, bool(r.get("remove_ipc")), u)
+        self._removing.append(work)  # kept out of sweep_previous, handed over again by a re-exec
+        prev = self._tasks.get(unit)
+        self._tasks[unit] = unit_task(self._clean(work, after=prev, handed=True), unit=unit, kind="cleanup",
+                                      on_crash=lambda exc: None)
 
     # ------------------------------------------------------------ a unit's instance
     async def before_spawn(self, rt: Any) -> dict[str, str]:

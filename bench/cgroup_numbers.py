@@ -29,10 +29,10 @@ import uuid
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from omnid import cgroup as cgm  # noqa: E402
+from omnid.process import cgroupfs, cgrouproot  # noqa: E402
 from tests.harness import Daemon, make_stack, remove_cgroup_tree, wait_for  # noqa: E402
 
-MOUNT = cgm.cgroup2_mounts()[0] if cgm.cgroup2_mounts() else None
+MOUNT = cgroupfs.cgroup2_mounts()[0] if cgroupfs.cgroup2_mounts() else None
 
 
 def new_root() -> str:
@@ -111,7 +111,7 @@ def stop_time(n: int, cgroup: bool, runs: int) -> dict:
 
 
 def kill_to_empty(kills: int, procs: int = 10) -> dict:
-    root = cgm.CgroupRoot(new_root(), "bench")
+    root = cgrouproot.CgroupRoot(new_root(), "bench")
     xs = []
     try:
         for k in range(kills):
@@ -125,7 +125,7 @@ def kill_to_empty(kills: int, procs: int = 10) -> dict:
             wait_for(lambda: len(cg.pids()) == procs, 10, "processes in the cgroup")
             t0 = time.perf_counter()
             cg.kill()
-            ok = root.inotify.wait_empty_sync(cg.path, time.monotonic() + 10)
+            ok = root.watch.wait_empty_sync(cg.path, time.monotonic() + 10)
             xs.append((time.perf_counter() - t0) * 1000)
             assert ok
             for p in ps:

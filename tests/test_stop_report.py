@@ -306,11 +306,12 @@ def test_a_removal_under_way_is_handed_over_and_done_again_by_the_next_program(t
         c.tmp["u"], c._due = d, {"u"}
         c.record.add(d)
         rt = SimpleNamespace(name="u", spec=SimpleNamespace(remove_ipc=True), ipc_removed=[])
-        task = c.remove(rt)
+        work = c.remove(rt)
+        assert work is not None and work.task is not None
         await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
         handed = c.handover()
         let_go.set()
-        await task
+        await work.task
         return handed
 
     monkeypatch.setattr(privatetmp, "remove", slow_remove)

@@ -83,6 +83,8 @@ class _Removing:
     tmp: privatetmp.TmpDir | None
     remove_ipc: bool
     ipc: ipc.UnitIpc | None = None  # once taken out of the book (on the removal's thread)
+    task: asyncio.Task | None = None
+    result: Removal | None = None  # once it is over
 
     def to_json(self) -> dict:
         return {"unit": self.unit, "tmp": self.tmp.to_json() if self.tmp is not None else None,
@@ -109,6 +111,7 @@ class UnitCleanup:
         self.tmp: dict[str, privatetmp.TmpDir] = {}  # unit -> its live instance's directory
         self._due: set[str] = set()  # units whose instance is gone and not yet cleaned
         self._tasks: dict[str, asyncio.Task] = {}
+        self._latest: dict[str, _Removing] = {}  # unit -> its last removal (its task is _tasks')
         # /dev/shm entries a live process held at the removal, looked at again (a task each)
         # One task per unit, whatever number of its instances left held entries (a crash loop).
         self._held: dict[str, list[ipc.UnitIpc]] = {}
@@ -197,9 +200,16 @@ class UnitCleanup:
             self.record.dirs[td.path] = td
         work = _Removing(unit, td, bool(r.get("remove_ipc")), u)
         self._removing.append(work)  # kept out of sweep_previous, handed over again by a re-exec
-        prev = self._tasks.get(unit)
-        self._tasks[unit] = unit_task(self._clean(work, after=prev, handed=True), unit=unit, kind="cleanup",
-                                      on_crash=lambda exc: None)
+        self._start(work, handed=True)
+
+    def _start(self, work: _Removing, rt: Any | None = None, handed: bool = False) -> _Removing:
+        """work's task, after the unit's removal still under way (an older instance's, bounded)."""
+        prev = self._tasks.get(work.unit)
+        # A crash is logged by unit_task; the unit's state does not depend on its leftovers.
+        work.task = self._tasks[work.unit] = unit_task(self._clean(work, after=prev, rt=rt, handed=handed),
+                                                       unit=work.unit, kind="cleanup", on_crash=lambda exc: None)
+        self._latest[work.unit] = work
+        return work
 
     # ------------------------------------------------------------ a unit's instance
     async def before_spawn(self, rt: Any) -> dict[str, str]:
@@ -240,40 +250,36 @@ class UnitCleanup:
         task = self._tasks.get(name)
         return name in self._due or (task is not None and not task.done())
 
-    def remove(self, rt: Any) -> asyncio.Task | None:
+    def remove(self, rt: Any) -> _Removing | None:
         """The removal of what the unit's last instance left: started now if it is due, else
         the one under way (None: nothing to remove). A removal of an older instance still under
         way is waited for first (bounded), never overtaken."""
         name = rt.name
-        prev = self._tasks.get(name)
         if name not in self._due:
-            return prev if prev is not None and not prev.done() else None
+            last = self._latest.get(name)
+            return last if last is not None and last.task is not None and not last.task.done() else None
         self._due.discard(name)
         work = _Removing(name, self.tmp.pop(name, None), bool(rt.spec.remove_ipc))
         self._removing.append(work)
-        # A crash is logged by unit_task; the unit's state does not depend on its leftovers.
-        task = self._tasks[name] = unit_task(self._clean(work, after=prev, rt=rt), unit=name, kind="cleanup",
-                                             on_crash=lambda exc: None)
-        return task
+        return self._start(work, rt)
 
     async def gone(self, rt: Any, rec: Any | None) -> Removal | None:
         """Nothing of the instance runs any more (the kernel proved it): remove, await (the
         removal bounds itself; this wait too, should it not), and record what it did in rec."""
-        task = self.remove(rt)
-        if task is None:
+        work = self.remove(rt)
+        if work is None or work.task is None:
             return None
-        await asyncio.wait([task], timeout=SETTLE_WAIT_S + REMOVAL_BOUND_S)
-        result = task.result() if task.done() and not task.cancelled() and task.exception() is None else None
-        if result is not None and rec is not None:
-            result.record_in(rec)
-        return result
+        await asyncio.wait([work.task], timeout=SETTLE_WAIT_S + REMOVAL_BOUND_S)
+        if work.result is not None and rec is not None:
+            work.result.record_in(rec)
+        return work.result
 
     def released(self, rt: Any) -> None:
         """The unit is inactive or failed: whatever is still due goes, as a task."""
         self.remove(rt)
 
     async def _clean(self, work: _Removing, after: asyncio.Task | None = None, rt: Any | None = None,
-                     handed: bool = False) -> Removal:
+                     handed: bool = False) -> None:
         name, d = work.unit, work.tmp
         try:
             if after is not None and not after.done():
@@ -299,7 +305,7 @@ class UnitCleanup:
                                 private_tmp=d.path if d is not None else None)
                     removed, kept, tmp_left, held = [], [], "its removal did not return", None
                 entries = counted[0] if counted else None
-            r = Removal(time.monotonic() - t0, entries, tmp_left, removed, kept)
+            r = work.result = Removal(time.monotonic() - t0, entries, tmp_left, removed, kept)
         finally:
             if work in self._removing:
                 self._removing.remove(work)
@@ -319,7 +325,6 @@ class UnitCleanup:
             rt.ipc_removed = removed
         if held is not None:
             self._look_again(held)
-        return r
 
     def _look_again(self, u: ipc.UnitIpc) -> None:
         self._held.setdefault(u.unit, []).append(u)

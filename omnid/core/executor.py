@@ -295,7 +295,8 @@ class Executor:
             term.rest(sig, a.cont)
         elif term.t0 and sig == signal.SIGKILL:
             term.escalate(self.of(rt).bound.replace("_", " ") if ctx.event is E.STOP_TIMEOUT
-                          else _WHY_SIGKILL.get(ctx.event, "a stop under way"))
+                          else _WHY_SIGKILL.get(ctx.event, "a stop under way") if ctx.event is not None
+                          else "a stop under way")
         else:
             term.begin(sig, a.cont, main_only=a.to == "main")
         if self.sup.shutting_down:
@@ -448,7 +449,7 @@ class Executor:
             if rec is not None:
                 rec.gpu_release_ms, rec.gpu_held = ms, list(held)
 
-        steps = [gpu()] if self.sup.gpu_on() else []
+        steps: list[Coroutine[Any, Any, object]] = [gpu()] if self.sup.gpu_on() else []
         if self.cleanup is not None:
             steps.append(self.cleanup.gone(rt, rec))
         await asyncio.gather(*steps)

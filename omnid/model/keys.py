@@ -28,9 +28,9 @@ from types import MappingProxyType
 from typing import Any
 
 from omnid.model.unitmodel import MAX_PASSED_FDS, KillMode, RestartPolicy, Unit, UpdatePolicy
-from omnid.model.unitvalues import (MAX_INSTANCES, argv, boolean, cgroup_amount, choice, drain, env, gpus, group_hosts,
-                              group_name, integer, limits, nonempty_string, numa, parse_signal, ready, seconds,
-                              seconds_at_most, string, string_list)
+from omnid.model.unitvalues import (MAX_INSTANCES, argv, boolean, cache_name, cgroup_amount, choice, drain, env, gpus,
+                              group_hosts, group_name, integer, limits, nonempty_string, numa, parse_signal, ready,
+                              seconds, seconds_at_most, string, string_list)
 
 __all__ = ["FIELD", "GROUP_POLICY_KEYS", "TEMPLATE_KEYS", "UNIT_KEY_BY_NAME", "UNIT_KEY_TABLE", "UNIT_KEYS",
            "OnChange", "UnitKey", "unit_default"]
@@ -123,6 +123,7 @@ UNIT_KEY_TABLE: tuple[UnitKey, ...] = (
     UnitKey("leftover_timeout", STOP, seconds(zero_ok=True), FIELD, S, "seconds the leftovers of an exited unit get"),
     UnitKey("private_tmp", STOP, boolean, FIELD, R, "TMPDIR is a directory of the instance's own"),
     UnitKey("remove_ipc", STOP, boolean, FIELD, S, "the unit's IPC objects are removed when it is gone"),
+    UnitKey("cache_dir", STOP, cache_name, FIELD, R, "a directory of its own that outlives restarts (compile caches)"),
     UnitKey("numa", RUN, numa, FIELD, R, 'CPU and memory placement: "auto", "off" or a node number'),
     UnitKey("sockets", SOCKETS, None, FIELD, R, "listening sockets held by the daemon, passed from fd 3"),
     UnitKey("update", RESTARTING, choice(UpdatePolicy), FIELD, S, "how a reload replaces instances"),

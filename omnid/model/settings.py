@@ -36,6 +36,15 @@ def default_state_dir() -> str:
     return os.path.join(base, "omnid")
 
 
+def default_cache_root() -> str:
+    """Where units' `cache_dir` directories live unless omnid.toml says `cache_root`: systemd's
+    CacheDirectory= places (/var/cache for root, the user's XDG cache directory otherwise)."""
+    if os.geteuid() == 0:
+        return "/var/cache/omnid"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "omnid")
+
+
 def default_units_dir() -> str:
     """The built-in reference stack: units/demo of the checkout, or the copy shipped in the package."""
     here = Path(__file__).resolve().parent.parent  # omnid/, from omnid/model/settings.py

@@ -30,7 +30,7 @@ CANARY_KEYS = ("http", "method", "body", "headers")
 SOCKET_KEYS = ("listen", "name", "backlog", "mode", "reuseport")
 MAX_SOCKETS = 64  # per unit: held open by the daemon for as long as the unit is in the stack
 SETTINGS_KEYS = ("control", "state_dir", "health_listen", "log_format", "cgroup_root", "drain_sec", "stop_deadline", "cluster",
-                 "exit_when_failed")
+                 "exit_when_failed", "cache_root")
 
 
 @dataclass(frozen=True)
@@ -344,6 +344,7 @@ def parse_settings(file: Path, raw: Mapping[str, Any], directory: Path, errors: 
         health_listen=t.get("health_listen", None, listen),
         log_format=t.get("log_format", None, choice(LogFormat)),
         cgroup_root=t.get("cgroup_root", None, path),
+        cache_root=t.get("cache_root", None, path),
         drain_sec=t.get("drain_sec", None, seconds(zero_ok=True)),
         stop_deadline=t.get("stop_deadline", None, seconds(zero_ok=False)),
         cluster=parse_cluster(file, raw["cluster"], directory, errors) if "cluster" in raw else None,

@@ -23,7 +23,7 @@ DEFAULT_TITLE = "omnid: %n"
 # Set by omnid itself (omnid.unit(5), ENVIRONMENT OF A UNIT); a unit that overrode
 # them would hide from residue scans or talk to the wrong notify socket.
 RESERVED_ENV = frozenset({"OMNID_UNIT", "OMNID_INSTANCE", "OMNID_INSTANCES", "OMNID_GENERATION", "SPT_NOENV",
-                          "NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_FDNAMES", "LISTEN_PID"})
+                          "NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_FDNAMES", "LISTEN_PID", "OMNID_CACHE_DIR"})
 
 # '@' separates a template from its instance number and '%' starts a specifier,
 # so neither may appear in a unit name; '/' would escape the directory. Also a worker group's name.
@@ -271,6 +271,9 @@ class Unit:
     leftover_timeout: float = 3.0
     private_tmp: bool = True  # TMPDIR (TMP, TEMP) = a directory of this instance's own
     remove_ipc: bool = True  # its processes' POSIX and SysV IPC objects go with the unit
+    # A persistent directory under the daemon's cache root (omnid.process.cachedir): False = none,
+    # True = named for the template (its instances share it), a string = that name.
+    cache_dir: bool | str = False
     # Seconds the hang capture (omnid.forensics) may take before a unit that is alive but
     # failed is killed; 0 = no capture.
     capture_timeout: float = 3.0
@@ -330,6 +333,7 @@ class DaemonSettings:
     health_listen: str | None = None  # "HOST:PORT", numeric host
     log_format: LogFormat | None = None
     cgroup_root: Path | None = None  # omnid.process.cgroup: a writable cgroup v2 directory for the units
+    cache_root: Path | None = None  # where units' `cache_dir` directories live (None: settings.default_cache_root)
     drain_sec: float | None = None  # /health 503 "draining" this long before the stack's first stop signal
     stop_deadline: float | None = None  # the stack stop's bound (None: derived from the units' budgets)
     # [cluster]: a stack across hosts, an omnid.cluster.settings.ClusterSettings (not imported

@@ -391,6 +391,17 @@ def boolean(value: Any) -> bool:
     return value
 
 
+def cache_name(value: Any) -> bool | str:
+    """`cache_dir`: true, false, or one directory name under the daemon's cache root. Never a
+    path: a unit file that could name any directory would have a root daemon chown it."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and UNIT_NAME.fullmatch(value) and len(value) <= 200:
+        return value
+    raise InvalidValue('expected true, false or a directory name under the cache root (a letter or digit, then '
+                       f'letters, digits, "_", "." or "-"; no "/"), got {describe(value)}')
+
+
 def group_hosts(value: Any) -> tuple[str, ...]:
     hosts = string_list(value)
     if not 1 <= len(hosts) <= 64 or not all(HOST_NAME.fullmatch(h) for h in hosts):

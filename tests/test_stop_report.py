@@ -1,4 +1,4 @@
-"""A stop reports what happened (issue 34, item 2; FAILURE_MATRIX FM-37), and a re-exec loses no
+"""A stop reports what happened (issue 34, item 2; failure-matrix row FM-37), and a re-exec loses no
 removal under way (item 6).
 
 The exit is the exit: a unit that exits 1 ms after SIGTERM has stopped, whatever its private

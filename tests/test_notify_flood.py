@@ -474,3 +474,112 @@ def test_a_main_process_that_stores_an_fd_and_exits_at_once_gets_it_back(daemon_
                    lambda: f"the next instance's report (unit {d.unit('u')}, log:\n{d.log()[-2000:]})")
     first = int(got.split()[-1])
     assert got == f"kept by {first}" and first != d.unit("u")["pid"], got
+
+
+# ------------------------------------------------------------------ a pause is no unit's silence
+# A `ready = "notify"` unit: READY=1 once (unless PING is 0, after "--late": not at all), then
+# WATCHDOG=1 every PING seconds. Blocking sends, as sd_notify(3) does: while the daemon does not
+# read, a send waits in the kernel and is read once it reads again.
+PINGER = r'''
+import os, socket, sys, time
+ping = float(sys.argv[1])
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.connect("\0" + os.environ["NOTIFY_SOCKET"][1:])
+s.send(b"READY=1")
+while True:
+    time.sleep(ping)
+    s.send(b"WATCHDOG=1")
+'''
+
+
+def start_request(d, unit: str) -> tuple[threading.Thread, dict]:
+    """`start` of one unit on a control connection of its own, answered on a thread (it waits
+    for the unit to be active)."""
+    import zmq
+
+    got: dict = {}
+
+    def run() -> None:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"ipc://{d.control}")
+        s.send(json.dumps({"id": 1, "cmd": "start", "args": {"units": [unit], "timeout": 60}}).encode())
+        if s.poll(90_000):
+            got.update(json.loads(s.recv()))
+        s.close()
+        ctx.term()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, got
+
+
+def test_a_paused_notify_socket_neither_kills_a_pinging_unit_nor_fails_a_start(daemon_factory):
+    """FM-38's pause (16 lingering closes, then a stranger's Unix sockets fill the closer's
+    queue: the notify socket is not read) lasts over three watchdog periods. The unit with
+    watchdog_sec = 2 that keeps pinging (its pings wait in the kernel) is not killed, and a
+    `ready = "notify"` unit with ready_timeout = 3 started during the pause is active once the
+    flood ends: both deadlines are held back, the log says so once each, /metrics counts them.
+    Before, the watchdog killed the pinging unit 2 s into the pause and the start failed 'not
+    ready after 3 s'."""
+    d = daemon_factory(make_stack({
+        "wd": f'exec = ["{PY}", "-c", {json.dumps(PINGER)}, "0.3"]\nready = "notify"\nwatchdog_sec = 2\n',
+        "late": f'exec = ["{PY}", "-c", {json.dumps(PINGER)}, "1000"]\nready = "notify"\nready_timeout = 3\n'
+                'restart = "no"\n',
+    }))
+    d.wait_all_active()
+    d.ok("stop", {"units": ["late"]})
+    wd = d.unit("wd")
+    addr = notify_address(d, "wd")
+    a, lingering = start_attacker(d, addr, n=30, per=200, kind="unix", deadline_s=8)
+    starter = None
+    try:
+        assert a.stdin is not None
+        a.stdin.write("go\n")
+        a.stdin.flush()
+        wait_for(lambda: d.ok("status")["daemon"]["notify"]["paused"] >= 1, 20,
+                 lambda: f"the notify socket paused: {d.ok('status')['daemon']} log:\n{d.log()[-2000:]}")
+        paused_at = time.monotonic()
+        starter, answer = start_request(d, "late")
+        wait_for(lambda: d.unit("late")["state"] == "starting", 10, lambda: f"late starting: {d.unit('late')}")
+        held = wait_for(lambda: {e.get("unit"): e for e in d.log_events() if "held back" in e.get("event", "")}.keys()
+                        >= {"wd", "late"} and True, 15,
+                        lambda: f"both deadlines held back (log:\n{d.log()[-3000:]})")
+        assert held
+        # Three watchdog periods, twice late's ready_timeout, all of it unread: nothing judged.
+        while time.monotonic() < paused_at + 6.5:
+            u, late = d.unit("wd"), d.unit("late")
+            assert u["state"] == "active" and u["pid"] == wd["pid"], f"wd judged during the pause: {u}\n{d.log()[-3000:]}"
+            assert late["state"] == "starting", f"late judged during the pause: {late}\n{d.log()[-3000:]}"
+            assert d.ok("status")["daemon"]["foreign_fd_closes"]["queued"] > closer.MAX_WAITING // 2, \
+                "the pause ended before its time: the test proves nothing"
+            time.sleep(0.1)
+    finally:
+        finish_attacker(a)  # the lingering closes end, the queue drains, the socket is read again
+    assert starter is not None
+    starter.join(60)
+    resumed = wait_for(lambda: [e for e in d.log_events() if e.get("event") == "notify socket read again"], 30,
+                       lambda: f"the notify socket read again (log:\n{d.log()[-3000:]})")
+    assert answer.get("ok") and answer["result"]["ok"], f"late's start: {answer}\n{d.log()[-3000:]}"
+    late = d.wait_state("late", "active", 10)
+    # Pinging still counts once it is heard: a whole watchdog period and more after the pause.
+    t0 = time.monotonic()
+    while time.monotonic() < t0 + 2.5:
+        u = d.unit("wd")
+        assert u["state"] == "active" and u["pid"] == wd["pid"] and u["restarts"] == 0, f"wd after the pause: {u}"
+        time.sleep(0.1)
+    events = [e for e in d.log_events() if "held back" in e.get("event", "")]
+    said = sorted((e["unit"], e["event"].split()[0]) for e in events)
+    _, text = d.http("/metrics")
+    held_total = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                  if line.startswith("omnid_notify_deadlines_held_total{")}
+    print(f"\npause: unread {resumed[0].get('paused_s')} s; held back {said}; late active, pid {late['pid']}; "
+          f"metrics {held_total}")
+    # Once per unit and pause (the queue's last datagrams, read after it, may pause it again).
+    assert set(said) == {("late", "ready_timeout"), ("wd", "watchdog")}, f"held back: {events}"
+    assert len(said) <= 2 * d.ok("status")["daemon"]["notify"]["paused"], f"said more than once a pause: {events}"
+    assert held_total == {f'omnid_notify_deadlines_held_total{{deadline="{k}"}}': float(sum(w == k for _, w in said))
+                          for k in ("watchdog", "ready_timeout")}, (held_total, said)
+    wait_for(lambda: d.ok("status")["daemon"]["foreign_fd_closes"]["stuck"] == 0, 15,
+             lambda: f"the lingering closes ended: {d.ok('status')['daemon']['foreign_fd_closes']}")

@@ -411,6 +411,12 @@ class HealthServer:
                     f.add(n, outcome=what)
             page.counter("omnid_notify_paused_total", "times the notify socket was not read: fds from outside "
                          "waited to be closed up to their cap").add(notify.get("paused", 0))
+        held = getattr(getattr(self.sup, "monitors", None), "held_back", None)
+        if held is not None:  # omnid.core.monitors: a silence a stranger made is not judged
+            f = page.counter("omnid_notify_deadlines_held_total", "watchdog and ready_timeout deadlines held back "
+                             "while the notify socket was not read (once per unit and pause)")
+            for deadline, n in held.items():
+                f.add(n, deadline=deadline)
         store = getattr(self.sup, "fdstore", None)
         if store is not None:  # omnid.process.fdstore: what units handed over, and what was refused
             f = page.counter("omnid_fdstore_fds_total", "fds sent to the fd store, by outcome")

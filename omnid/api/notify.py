@@ -17,7 +17,9 @@ daemon's fd table full) is dropped with whatever fds did arrive.
 What a stranger can make the daemon hold is capped: fds whose close may wait queue for
 omnid.base.closer's threads, and while a datagram's worth more would not fit under its cap
 (closer.room()), the socket is not read: the senders wait in the kernel (a full receive
-queue), not in our fd table. Reading resumes once half the queue is closed.
+queue), not in our fd table. Reading resumes once half the queue is closed. A unit's own
+messages wait too, so while the socket is not read, and for a grace after, no watchdog or
+ready_timeout is judged on a unit's silence (closer.unheard; omnid.core.monitors).
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ class NotifyServer:
             self._reading = False
         if self._paused_since is None:
             self._paused_since = time.monotonic()
+            closer.unheard.stop(self._paused_since)  # the watchdog and ready_timeout hold their judgement
             self.counters["paused"] += 1
             log.warning("notify socket not read: fds received from outside wait to be closed (the senders wait)",
                         waiting=closer.MAX_WAITING - closer.room(), cap=closer.MAX_WAITING)
@@ -146,8 +149,10 @@ class NotifyServer:
         if closer.room() < closer.MAX_WAITING // 2:
             asyncio.get_running_loop().call_later(PAUSED_LOOK_S, self._resume_if_room)
             return
-        log.info("notify socket read again", paused_s=round(time.monotonic() - self._paused_since, 1))
+        now = time.monotonic()
+        log.info("notify socket read again", paused_s=round(now - self._paused_since, 1))
         self._paused_since = None
+        closer.unheard.go(now)
         self.start()
 
     def forget(self, unit: str) -> None:
@@ -247,6 +252,8 @@ class NotifyServer:
             log.exception("fd store failed on a message", unit=unit)
 
     def close(self) -> None:
+        if self._paused_since is not None:
+            closer.unheard.go(time.monotonic())
         self._paused_since = None
         try:
             asyncio.get_running_loop().remove_reader(self.sock.fileno())

@@ -33,6 +33,11 @@ be taken, and the notify socket stops reading (the senders wait in the kernel) w
 datagram's worth of fds would not fit under MAX_WAITING. What is already received is never
 dropped unclosed: `close()` always takes the fd.
 
+While the reader is stopped, what it would have read is unheard: a unit's watchdog ping or
+READY=1 waits in the kernel behind a stranger's datagrams. `unheard` records when the reader
+stopped and read again, so that a deadline judged on what a unit says (the watchdog, the
+start's ready_timeout) is not judged on a silence a stranger made.
+
 Only fds the daemon received from outside go through here; its own (pipes it made, the
 spawner's socket, listening sockets it bound) are closed directly.
 """
@@ -248,6 +253,39 @@ def room() -> int:
     """How many more fds from outside may be taken before the cap (MAX_WAITING) on those
     waiting for a closer thread; 0 or less: read nothing more from outside."""
     return MAX_WAITING - _pool.waiting()
+
+
+class Unheard:
+    """When the reader of fds from outside (the notify socket) stopped reading at the cap, and
+    when it read again. Monotonic seconds."""
+
+    LOOK_S = 0.5  # while stopped: how soon a deadline held back is looked at again
+
+    def __init__(self) -> None:
+        self.since: float | None = None  # stopped since; None while read
+        self.until = float("-inf")  # read again at, the last time
+        self.pauses = 0  # times it stopped (a deadline held back says which pause once)
+
+    def stop(self, now: float) -> None:
+        if self.since is None:
+            self.since = now
+            self.pauses += 1
+
+    def go(self, now: float) -> None:
+        if self.since is not None:
+            self.since, self.until = None, now
+
+    def hold(self, now: float, grace: float) -> float | None:
+        """None: a deadline due now may be judged. Otherwise the seconds to wait before it is
+        looked at again: while the reader is stopped, LOOK_S; once it reads again, until
+        `grace` after that (what waited in the kernel is read first)."""
+        if self.since is not None:
+            return self.LOOK_S
+        left = self.until + grace - now
+        return left if left > 0 else None
+
+
+unheard = Unheard()
 
 
 def status() -> dict[str, int]:

@@ -74,6 +74,8 @@ class MonitorsPart(Protocol):
 
     def restart(self, rt: UnitRuntime, keep_watchdog_off: bool = False) -> None: ...
 
+    def ready_held(self, rt: UnitRuntime) -> float | None: ...
+
 
 class SchedulePart(Protocol):
     """omnid.core.schedule.Schedule: which unit may start or must stop, and when it is settled."""

@@ -1,6 +1,10 @@
 """Watching a unit's process: readiness while `starting`; while `active` the sd_notify
 watchdog, the liveness probe (http or exec), the progress rule and the readiness probe that
-continues; and the notify messages themselves. Monitors only report facts -- READY,
+continues; and the notify messages themselves. A deadline judged on what a unit says over the notify socket
+(the watchdog, a `ready = notify` start's ready_timeout) is held back while that socket is
+not read (omnid.base.closer.unheard: a stranger's fds fill the closer's queue, and the unit's
+messages wait in the kernel behind them) and for a grace after: a silence a stranger made is
+not the unit's. Monitors only report facts -- READY,
 NOT_READY, WATCHDOG_EXPIRED, LIVENESS_FAILED -- by feeding them to the supervisor; the
 lifecycle table decides what follows. The readiness probe that continues changes no state:
 a unit that says it is not ready is *degraded* (`not_ready`, read by /health and status
@@ -15,7 +19,7 @@ import time
 
 import structlog
 
-from omnid.base import linux
+from omnid.base import closer, linux
 from omnid.core import probes
 from omnid.core import execprobe, progress
 from omnid.core.lifecycle import Event, Phase, UnitState
@@ -30,6 +34,10 @@ S, E = UnitState, Event
 EARLY_NOTIFY_MAX = 4096  # sessions whose notify came before their spawn reply, at most
 READY_PROBE_TIMEOUT_S = 2.0  # one readiness probe, at start and while active
 MAX_ANCESTRY = 64  # parent links walked to find the spawner above a notify sender
+# After the notify socket is read again, a start's READY=1 that waited in the kernel behind a
+# stranger's datagrams gets this long to be read before ready_timeout is judged. The watchdog's
+# grace is the unit's own watchdog_sec: one whole period to ping once it can be heard.
+READY_GRACE_S = 5.0
 
 
 class Monitors:
@@ -43,6 +51,9 @@ class Monitors:
         # unit -> why its readiness probe fails while it is active (/health: degraded)
         self.not_ready: dict[str, str] = {}
         self._reason_before: dict[str, str] = {}  # unit -> its reason before it was not ready
+        # deadlines held back while the notify socket was not read (once per unit and pause)
+        self.held_back = {"watchdog": 0, "ready_timeout": 0}
+        self._held_in: dict[tuple[str, str], int] = {}  # (unit, deadline) -> the pause it was held in
 
     # ------------------------------------------------------------ readiness
     async def readiness(self, rt: UnitRuntime) -> None:
@@ -192,8 +203,43 @@ class Monitors:
     def _expired(self, rt: UnitRuntime) -> None:
         self._watchdogs.pop(rt.name, None)
         if rt.state is S.ACTIVE and rt.phase is Phase.IDLE:
+            wait = self._unheard(rt, "watchdog", rt.spec.watchdog_sec)
+            if wait is not None:
+                self._watchdogs[rt.name] = asyncio.get_running_loop().call_later(wait, self._expired, rt)
+                return
             silent = time.monotonic() - rt.watchdog_last
             self.sup.feed(rt, E.WATCHDOG_EXPIRED, f"watchdog: no ping for {silent:.1f} s")
+
+    def ready_held(self, rt: UnitRuntime) -> float | None:
+        """ready_timeout is due: None to judge it now, or the seconds to hold it back. Only a
+        `ready = notify` start waits on the notify socket; any other readiness is judged."""
+        if rt.state is not S.STARTING or rt.spec.ready.kind is not ReadyKind.NOTIFY:
+            return None
+        return self._unheard(rt, "ready_timeout", READY_GRACE_S)
+
+    def _unheard(self, rt: UnitRuntime, deadline: str, grace: float) -> float | None:
+        """Seconds to hold back `deadline` of rt because its notify messages could not be read
+        (the socket not read, or read again less than `grace` ago), or None: judge it. Not
+        bounded by a count: while the socket is not read, a missing ping proves nothing, and
+        judging anyway would let a stranger kill any unit by keeping it unread. A hang is still
+        judged by the liveness and progress probes (they do not use the socket), and by this
+        deadline `grace` after the socket is read again."""
+        wait = closer.unheard.hold(time.monotonic(), grace)
+        if wait is None:
+            return None
+        pause = closer.unheard.pauses
+        if self._held_in.get((rt.name, deadline)) != pause:
+            if len(self._held_in) > 4 * len(self.sup.units) + 64:
+                self._held_in.clear()
+            self._held_in[(rt.name, deadline)] = pause
+            self.held_back[deadline] += 1
+            since = closer.unheard.since
+            log.warning(f"{deadline} held back: the notify socket is not read (fds from outside wait to be "
+                        "closed), so the unit's messages wait in the kernel; judged once it is read again",
+                        unit=rt.name, grace_s=grace,
+                        unread_s=round(time.monotonic() - since, 1) if since is not None else 0.0,
+                        read_again_s_ago=None if since is not None else round(grace - wait, 1))
+        return wait
 
     async def _liveness(self, rt: UnitRuntime) -> None:
         """One probe at a time: the next is due `interval` seconds after the last one ended."""

@@ -341,7 +341,16 @@ class Executor:
         w = self.of(rt)
         if TIMER_EVENTS[a.which] is E.STOP_TIMEOUT:
             w.bound = a.which
-        w.timers[a.which] = loop.call_later(delay, self._feed_if_current, rt, epoch, TIMER_EVENTS[a.which], detail)
+        w.timers[a.which] = loop.call_later(delay, self._timer_fired, rt, epoch, a.which, detail)
+
+    def _timer_fired(self, rt: UnitRuntime, epoch: int, which: str, detail: str) -> None:
+        """A timer's event; a ready_timeout the monitors hold back (a `ready = notify` unit's
+        READY=1 could not be read: the notify socket was not read) is looked at again later."""
+        if which == "ready_timeout" and rt.epoch == epoch and (wait := self.sup.monitors.ready_held(rt)) is not None:
+            self.of(rt).timers[which] = asyncio.get_running_loop().call_later(
+                wait, self._timer_fired, rt, epoch, which, detail)
+            return
+        self._feed_if_current(rt, epoch, TIMER_EVENTS[which], detail)
 
     def _watch_gone(self, rt: UnitRuntime, a: WatchGone, ctx: Ctx) -> None:
         self.run_for(rt, "gone", self._gone_task(rt, self._termination(rt, ctx)))

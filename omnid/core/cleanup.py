@@ -32,12 +32,14 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
 from omnid.model import accounts
+from omnid.process import cachedir
 from omnid.process import ipc
 from omnid.process import privatetmp
 from omnid.base.ownthreads import Busy, OwnThreads
@@ -101,8 +103,9 @@ def unit_ids(spec: Any) -> tuple[int | None, int | None]:
 
 
 class UnitCleanup:
-    def __init__(self, token: str, state_dir: str | None) -> None:
+    def __init__(self, token: str, state_dir: str | None, cache_root: Callable[[], object] | None = None) -> None:
         self.book = ipc.IpcBook(token)
+        self.caches = cachedir.UnitCaches(cache_root)  # `cache_dir`: made here, never removed
         self.watch: ipc.ShmWatch | None = None
         self.watch_error: str | None = None
         self.record = privatetmp.Record(state_dir) if state_dir else None
@@ -225,9 +228,13 @@ class UnitCleanup:
             uid, gid = unit_ids(spec)
         except KeyError as exc:
             raise CannotPrepare(f"unknown user or group {exc}") from None
+        try:
+            cache_env = await self.caches.before_spawn(spec, uid, gid)
+        except cachedir.CacheDirRefused as exc:
+            raise CannotPrepare(str(exc)) from None
         self.book.begin(name, os.geteuid() if uid is None else uid)
         if not privatetmp.wanted(spec):
-            return {}
+            return cache_env
         try:
             d = privatetmp.create(name, uid, gid)
         except OSError as exc:
@@ -239,7 +246,7 @@ class UnitCleanup:
             self.record.add(d)
         rt.private_tmp = d.path
         # An operator's TMP or TEMP in `env` stays (TMPDIR there means no directory at all).
-        return {k: v for k, v in privatetmp.environment(d).items() if k not in spec.env}
+        return {**cache_env, **{k: v for k, v in privatetmp.environment(d).items() if k not in spec.env}}
 
     def spawned(self, rt: Any, pid: int) -> None:
         self.book.add_pid(rt.name, pid)

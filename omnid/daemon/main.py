@@ -162,7 +162,8 @@ class Daemon(DaemonParts):
     def _start_cleanup(self) -> None:
         """Private tmp and IPC residue (a thread: the fanotify listener, after the spawner's exec)."""
         assert self.sup is not None
-        self.cleanup = UnitCleanup(self.token, self.cfg.state_dir)
+        sup = self.sup  # `cache_root` of the stack loaded now: a reload may change it
+        self.cleanup = UnitCleanup(self.token, self.cfg.state_dir, cache_root=lambda: sup.stack.settings.cache_root)
         self.sup.executor.cleanup = self.cleanup
         self.cleanup.start()
 

@@ -10,6 +10,7 @@ pid number back through /proc/sys/kernel/ns_last_pid) through a real notify sock
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import select
@@ -27,8 +28,9 @@ import pytest
 
 from omnid.api.notify import NotifyServer, SCM_MAX_FD
 from omnid.base import closer, linux
-from omnid.core.lifecycle import Phase
-from omnid.core.monitors import Monitors
+from omnid.core.lifecycle import Event, Phase, UnitState
+from omnid.core.monitors import READY_GRACE_S, Monitors
+from omnid.model.units import ReadyKind
 from tests.harness import REPO, make_stack, repo_pythonpath, wait_for
 
 PY = sys.executable
@@ -490,6 +492,62 @@ while True:
     time.sleep(ping)
     s.send(b"WATCHDOG=1")
 '''
+
+
+@pytest.mark.fast
+def test_a_deadline_is_held_while_notify_is_unread_and_judged_a_grace_after(monkeypatch):
+    """The rule by itself, on real loop timers: a watchdog due while the notify socket is not
+    read is not fed; once it is read again the unit gets one whole watchdog_sec, then is
+    judged (a pause hides no hang for longer than that). A ready = notify start's
+    ready_timeout is held likewise; any other readiness, or a unit no longer starting, is not."""
+    unheard = closer.Unheard()
+    unheard.LOOK_S = 0.05
+    monkeypatch.setattr(closer, "unheard", unheard)
+    fed: list[tuple[float, Event, str]] = []
+    sup = types.SimpleNamespace(units={}, executor=None,
+                                feed=lambda rt, event, detail="": fed.append((time.monotonic(), event, detail)))
+    monitors = Monitors(sup)  # type: ignore[arg-type]
+    spec = types.SimpleNamespace(watchdog_sec=0.3, ready=types.SimpleNamespace(kind=ReadyKind.NOTIFY), liveness=None,
+                                 progress=None, ready_interval=0)
+    rt = types.SimpleNamespace(name="u", state=UnitState.ACTIVE, phase=Phase.IDLE, spec=spec, watchdog_last=0.0)
+    sup.units["u"] = rt
+
+    async def run() -> tuple[float, float]:
+        monitors.start(rt)  # the watchdog is due 0.3 s from now
+        await asyncio.sleep(0.1)
+        unheard.stop(time.monotonic())
+        await asyncio.sleep(0.9)  # three periods unread
+        assert fed == [], f"judged while the notify socket was not read: {fed}"
+        assert monitors.held_back == {"watchdog": 1, "ready_timeout": 0}, monitors.held_back
+        read_again = time.monotonic()
+        unheard.go(read_again)
+        for _ in range(200):
+            if fed:
+                break
+            await asyncio.sleep(0.01)
+        return read_again, unheard.until
+
+    read_again, until = asyncio.run(run())
+    assert until == read_again
+    assert [e for _, e, _ in fed] == [Event.WATCHDOG_EXPIRED], fed
+    after = fed[0][0] - read_again
+    assert 0.3 <= after < 0.6, f"judged {after:.3f} s after the socket was read again (grace 0.3 s)"
+    assert fed[0][2].startswith("watchdog: no ping for "), fed
+
+    starting = types.SimpleNamespace(name="s", state=UnitState.STARTING, phase=Phase.IDLE, spec=spec)
+    now = time.monotonic()
+    unheard.stop(now)
+    assert monitors.ready_held(starting) == 0.05
+    unheard.go(now)
+    left = monitors.ready_held(starting)
+    assert left is not None and READY_GRACE_S - 0.5 < left <= READY_GRACE_S, left
+    assert monitors.held_back == {"watchdog": 1, "ready_timeout": 1}, monitors.held_back  # once for that pause
+    http = types.SimpleNamespace(name="h", state=UnitState.STARTING, phase=Phase.IDLE,
+                                 spec=types.SimpleNamespace(ready=types.SimpleNamespace(kind=ReadyKind.HTTP)))
+    assert monitors.ready_held(http) is None, "an http readiness does not wait on the notify socket"
+    assert monitors.ready_held(types.SimpleNamespace(**{**vars(starting), "state": UnitState.ACTIVE})) is None
+    unheard.until = float("-inf")
+    assert monitors.ready_held(starting) is None, "no pause: judged"
 
 
 def start_request(d, unit: str) -> tuple[threading.Thread, dict]:

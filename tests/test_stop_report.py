@@ -50,6 +50,8 @@ FILLER = r"""
 import os, signal, sys, time
 n = int(sys.argv[1])
 tmp = os.environ["TMPDIR"]
+if len(sys.argv) > 2:  # a /dev/shm entry too (made, unmapped, left): the unit's IPC residue
+    os.close(os.open("/dev/shm/" + sys.argv[2], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
 per = 500
 for d in range((n + per - 1) // per):
     sub = os.path.join(tmp, f"c{d:03d}")
@@ -86,10 +88,10 @@ def filled_unit(d, n: int = N_FILES) -> tuple[int, str]:
     return pid, path
 
 
-def filler_stack(tmp_path: Path, extra: str = "", n: int = N_FILES) -> Path:
+def filler_stack(tmp_path: Path, extra: str = "", n: int = N_FILES, shm: str = "") -> Path:
     prog = tmp_path / "filler.py"
     prog.write_text(FILLER)
-    return make_stack({"u": f'exec = ["{PY}", "{prog}", "{n}"]\n{extra}'})
+    return make_stack({"u": f'exec = ["{PY}", "{prog}", "{n}"{f", {shm!r}" if shm else ""}]\n{extra}'})
 
 
 def log_lines(d, *events: str) -> list[dict]:
@@ -170,12 +172,24 @@ def test_the_end_of_leftover_timeout_says_it_was_the_leftover_timeout(daemon_fac
 
 @pytest.mark.timeout(400)
 def test_a_reexec_hands_a_removal_under_way_over_and_the_new_program_finishes_it(daemon_factory, tmp_path):
-    """Item 6: the unit fails by itself (exit 1) with 150,000 files in its TMPDIR and a re-exec
-    follows at once: the removal under way is handed over in the re-exec record and the new
-    program finishes it (its log says so); the directory is gone afterwards, and the daemon's
-    record of private directories no longer names it."""
-    d = daemon_factory(filler_stack(tmp_path, 'restart = "no"\n'), env={"PYTHONPATH": repo_pythonpath()})
+    """Item 6: the unit fails by itself (exit 1) with 150,000 files in its TMPDIR and an entry it
+    made in /dev/shm, and a re-exec follows at once: the removal under way is handed over in the
+    re-exec record and the new program finishes it (its log says so); the directory and the
+    /dev/shm entry are gone afterwards, and the daemon's record of private directories no longer
+    names the directory. Before, the program before the exec had taken the unit's IPC record out
+    of its book for the removal's thread, which the exec ended: the entry stayed for good."""
+    shm = f"omt-stop-{os.getpid()}"
+    d = daemon_factory(filler_stack(tmp_path, 'restart = "no"\n', shm=shm), env={"PYTHONPATH": repo_pythonpath()})
+    try:
+        _reexec_with_a_removal_under_way(d, shm)
+    finally:
+        if os.path.exists(f"/dev/shm/{shm}"):
+            os.unlink(f"/dev/shm/{shm}")
+
+
+def _reexec_with_a_removal_under_way(d, shm: str) -> None:
     pid, path = filled_unit(d)
+    assert os.path.exists(f"/dev/shm/{shm}")
     os.kill(pid, signal.SIGUSR1)  # it exits 1 by itself; the re-exec's check runs meanwhile
     t0 = time.monotonic()
     d.reexec()
@@ -187,10 +201,11 @@ def test_a_reexec_hands_a_removal_under_way_over_and_the_new_program_finishes_it
     assert before == [], f"the removal ended before the re-exec: nothing was handed over; {seen()}"
     assert d.unit("u")["state"] == "failed" and not alive(pid), seen()
     wait_for(lambda: not os.path.lexists(path), 60, lambda: f"{path} to go after the re-exec; {seen()}")
+    wait_for(lambda: not os.path.exists(f"/dev/shm/{shm}"), 30, lambda: f"/dev/shm/{shm} to go; {seen()}")
     took = time.monotonic() - t0
     done = wait_for(lambda: [e for e in d.log_events() if e.get("event") == "leftovers removed"], 10, seen)
-    assert [(e["unit"], e.get("handed_over"), e["private_tmp_left"]) for e in done] == \
-        [("u", "by the program before a re-exec", None)], done
+    assert [(e["unit"], e.get("handed_over"), e["private_tmp_left"], e["ipc_removed"]) for e in done] == \
+        [("u", "by the program before a re-exec", None, 1)], done
     print(f"\nhanded over and finished by the new program: {done[0]['private_tmp_entries']} entries in "
           f"{done[0]['seconds']} s; gone {took:.2f} s after the re-exec began")
     wait_for(lambda: path not in (d.state_dir / "tmpdirs.json").read_text(), 10,

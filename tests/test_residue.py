@@ -451,7 +451,10 @@ def test_postgres_sigkilled_under_omnid_leaves_no_sysv_segment_nor_dsm(daemon_fa
         d.wait_state("pg", "failed", timeout=30)
         wait_for(lambda: not segments() and not (names & shm_names()), 15,
                  f"postgres's segments to go (left: {segments()}, {names & shm_names()})")
-        removed = d.unit("pg")["ipc_removed"]
+        # The kernel shows the objects gone a moment before the removal thread returns and the
+        # unit's status names them: wait for the status, not just the kernel.
+        removed = wait_for(lambda: (r := d.unit("pg")["ipc_removed"]) and r, 10,
+                           lambda: f"pg's status to name the removal (log:\n{d.log()[-2000:]})")
         assert any(x.startswith("System V shm") for x in removed), removed
     finally:  # only what this postmaster made (another test's PostgreSQL may run beside it)
         for n in names & shm_names():

@@ -108,6 +108,8 @@ class NotifyServer:
         self._last_summary = 0.0
         if fd is not None:  # the socket a previous program of this daemon bound (omnid reexec)
             os.set_inheritable(fd, False)
+            # Nobody read it during the exec: the units' pings wait in it, read from now on.
+            closer.unheard.until = time.monotonic()
             self.sock = socket.socket(fileno=fd)
             name = self.sock.getsockname()  # the name it was bound to, whatever program chose it
             if isinstance(name, bytes) and name[:1] == b"\0":

@@ -33,6 +33,13 @@ be taken, and the notify socket stops reading (the senders wait in the kernel) w
 datagram's worth of fds would not fit under MAX_WAITING. What is already received is never
 dropped unclosed: `close()` always takes the fd.
 
+Not done: TCP_REPAIR on a received TCP socket (root may set it; its close is then an abort,
+0.1 ms instead of the linger, bench/tcp_repair_close.py). A local user gets round it at no
+cost: a socket of its own user and network namespace (it clears TCP_REPAIR again), or one
+inside a Unix socket it sends instead (2 s either way for a 2 s linger); and it would change
+a socket whose sender may still use it. So the cap and the pause stay, and what the pause
+costs units is answered where they are judged.
+
 While the reader is stopped, what it would have read is unheard: a unit's watchdog ping or
 READY=1 waits in the kernel behind a stranger's datagrams. `unheard` records when the reader
 stopped and read again, so that a deadline judged on what a unit says (the watchdog, the

@@ -23,6 +23,7 @@ import time
 import types
 import urllib.error
 import urllib.request
+from datetime import datetime
 
 import pytest
 
@@ -580,9 +581,12 @@ def test_a_paused_notify_socket_neither_kills_a_pinging_unit_nor_fails_a_start(d
     `ready = "notify"` unit with ready_timeout = 3 started during the pause is active once the
     flood ends: both deadlines are held back, the log says so once each, /metrics counts them.
     Before, the watchdog killed the pinging unit 2 s into the pause and the start failed 'not
-    ready after 3 s'."""
+    ready after 3 s'. A unit that hangs (SIGSTOP) during the pause is still caught: by its
+    watchdog, one watchdog_sec after the socket is read again."""
     d = daemon_factory(make_stack({
         "wd": f'exec = ["{PY}", "-c", {json.dumps(PINGER)}, "0.3"]\nready = "notify"\nwatchdog_sec = 2\n',
+        "hung": f'exec = ["{PY}", "-c", {json.dumps(PINGER)}, "0.3"]\nready = "notify"\nwatchdog_sec = 2\n'
+                'restart = "no"\nstop_timeout = 0.5\n',
         "late": f'exec = ["{PY}", "-c", {json.dumps(PINGER)}, "1000"]\nready = "notify"\nready_timeout = 3\n'
                 'restart = "no"\n',
     }))
@@ -599,16 +603,19 @@ def test_a_paused_notify_socket_neither_kills_a_pinging_unit_nor_fails_a_start(d
         wait_for(lambda: d.ok("status")["daemon"]["notify"]["paused"] >= 1, 20,
                  lambda: f"the notify socket paused: {d.ok('status')['daemon']} log:\n{d.log()[-2000:]}")
         paused_at = time.monotonic()
+        hung = d.unit("hung")
+        os.kill(hung["pid"], signal.SIGSTOP)
         starter, answer = start_request(d, "late")
         wait_for(lambda: d.unit("late")["state"] == "starting", 10, lambda: f"late starting: {d.unit('late')}")
         held = wait_for(lambda: {e.get("unit"): e for e in d.log_events() if "held back" in e.get("event", "")}.keys()
-                        >= {"wd", "late"} and True, 15,
+                        >= {"wd", "late", "hung"} and True, 15,
                         lambda: f"both deadlines held back (log:\n{d.log()[-3000:]})")
         assert held
         # Three watchdog periods, twice late's ready_timeout, all of it unread: nothing judged.
         while time.monotonic() < paused_at + 6.5:
             u, late = d.unit("wd"), d.unit("late")
             assert u["state"] == "active" and u["pid"] == wd["pid"], f"wd judged during the pause: {u}\n{d.log()[-3000:]}"
+            assert d.unit("hung")["state"] == "active", f"hung judged during the pause: {d.unit('hung')}"
             assert late["state"] == "starting", f"late judged during the pause: {late}\n{d.log()[-3000:]}"
             assert d.ok("status")["daemon"]["foreign_fd_closes"]["queued"] > closer.MAX_WAITING // 2, \
                 "the pause ended before its time: the test proves nothing"
@@ -618,7 +625,15 @@ def test_a_paused_notify_socket_neither_kills_a_pinging_unit_nor_fails_a_start(d
     assert starter is not None
     starter.join(60)
     resumed = wait_for(lambda: [e for e in d.log_events() if e.get("event") == "notify socket read again"], 30,
-                       lambda: f"the notify socket read again (log:\n{d.log()[-3000:]})")
+                       lambda: f"the notify socket read again (log:\n{d.log()[-3000:]})", interval=0.02)
+    caught = wait_for(lambda: [e for e in d.log_events() if e.get("event") == "unit state" and e.get("unit") == "hung"
+                               and e.get("to") == "stopping"], 15,
+                      lambda: f"the hung unit caught after the pause: {d.unit('hung')}")[0]
+    assert caught["reason"].startswith("watchdog: no ping for"), caught
+    # One watchdog_sec after the socket was read again, not before (the daemon's own clock).
+    read_at = [e for e in resumed if e["timestamp"] < caught["timestamp"]][-1]["timestamp"]
+    caught_after = (datetime.fromisoformat(caught["timestamp"]) - datetime.fromisoformat(read_at)).total_seconds()
+    assert 1.95 <= caught_after < 3.0, f"hung caught {caught_after:.2f} s after the socket was read again"
     assert answer.get("ok") and answer["result"]["ok"], f"late's start: {answer}\n{d.log()[-3000:]}"
     late = d.wait_state("late", "active", 10)
     # Pinging still counts once it is heard: a whole watchdog period and more after the pause.
@@ -633,10 +648,10 @@ def test_a_paused_notify_socket_neither_kills_a_pinging_unit_nor_fails_a_start(d
     held_total = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
                   if line.startswith("omnid_notify_deadlines_held_total{")}
     print(f"\npause: unread {resumed[0].get('paused_s')} s; held back {said}; late active, pid {late['pid']}; "
-          f"metrics {held_total}")
+          f"hung caught {caught_after:.2f} s after the socket was read again; metrics {held_total}")
     # Once per unit and pause (the queue's last datagrams, read after it, may pause it again).
-    assert set(said) == {("late", "ready_timeout"), ("wd", "watchdog")}, f"held back: {events}"
-    assert len(said) <= 2 * d.ok("status")["daemon"]["notify"]["paused"], f"said more than once a pause: {events}"
+    assert set(said) == {("late", "ready_timeout"), ("wd", "watchdog"), ("hung", "watchdog")}, f"held back: {events}"
+    assert len(said) <= 3 * d.ok("status")["daemon"]["notify"]["paused"], f"said more than once a pause: {events}"
     assert held_total == {f'omnid_notify_deadlines_held_total{{deadline="{k}"}}': float(sum(w == k for _, w in said))
                           for k in ("watchdog", "ready_timeout")}, (held_total, said)
     wait_for(lambda: d.ok("status")["daemon"]["foreign_fd_closes"]["stuck"] == 0, 15,

@@ -185,7 +185,7 @@ class HeldSockets:
         try:
             for i, spec in enumerate(unit.sockets):
                 want = Held(spec, None, owner if spec.unix else (-1, -1))  # type: ignore[arg-type]
-                h = by_key.pop(want.key, None)
+                h = by_key.pop(want.key, None) or self._sibling_socket(unit, want.key)
                 if h is None:
                     # A changed address that is the same as an old one's (a mode changed) is
                     # bound only once the old one is closed.
@@ -208,6 +208,24 @@ class HeldSockets:
         self.units[unit.name] = out
         return [h.sock.fileno() for h in out], [h.spec.name for h in out]
 
+    def _sibling_socket(self, unit: Unit, key: tuple) -> Held | None:
+        """The socket another instance of `unit` holds on the same TCP address, bound the same
+        way without reuseport: one socket for the instances, as a prefork server's workers
+        accept on one (a connection waits in it for whichever instance accepts first; one that
+        dies leaves the connections still waiting to the others)."""
+        if unit.instances < 2 or key[3] or key[0].startswith("/"):
+            return None
+        for name, held in self.units.items():
+            if name != unit.name and name.partition("@")[0] == unit.template:
+                for h in held:
+                    if h.key == key:
+                        return h
+        return None
+
+    def _shared(self, unit: str, h: Held) -> bool:
+        """Whether another instance still holds `h` (a shared socket is closed with its last)."""
+        return any(name != unit and any(o is h for o in held) for name, held in self.units.items())
+
     def keep_only(self, units: Iterable[Unit]) -> None:
         """After a reload: a unit no longer in the stack, or no longer declaring a socket,
         has it closed now (its Unix socket file removed); changed ones are replaced at the
@@ -229,12 +247,13 @@ class HeldSockets:
         return [h.sock.fileno() for held in self.units.values() for h in held]
 
     def close_all(self) -> None:
-        for name, held in list(self.units.items()):
-            for h in held:
+        for name in list(self.units):
+            for h in self.units.pop(name):
                 self._close(name, h)
-        self.units.clear()
 
     def _close(self, unit: str, h: Held) -> None:
+        if self._shared(unit, h):
+            return  # another instance's too: closed with the last
         if h.spec.unix:
             try:
                 if os.path.exists(h.spec.listen) and stat.S_ISSOCK(os.lstat(h.spec.listen).st_mode):
@@ -254,9 +273,13 @@ class HeldSockets:
         """The sockets a previous program of this daemon held, inherited as fds. One of a unit
         no longer in the stack is closed; the rest are matched to the unit's sockets at its
         next start as after a reload. ValueError/KeyError/TypeError on a malformed record."""
+        by_fd: dict[int, Held] = {}  # a socket the instances share is listed under each
         for name, items in d.items():
             for it in items:
                 fd = int(it["fd"])
+                if fd in by_fd:
+                    self.units.setdefault(name, []).append(by_fd[fd])
+                    continue
                 os.set_inheritable(fd, False)
                 sock = socket.socket(fileno=fd)
                 if sock.type != socket.SOCK_STREAM or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) != 1:
@@ -265,7 +288,8 @@ class HeldSockets:
                 sock.setblocking(False)
                 spec = ListenSocket(listen=str(it["listen"]), name="", backlog=int(it["backlog"]),
                                     mode=int(it["mode"]), reuseport=bool(it["reuseport"]))
-                self.units.setdefault(name, []).append(Held(spec, sock, tuple(int(x) for x in it["owner"])))
+                by_fd[fd] = Held(spec, sock, tuple(int(x) for x in it["owner"]))
+                self.units.setdefault(name, []).append(by_fd[fd])
         self.keep_only(units.values())
 
 

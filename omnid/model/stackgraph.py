@@ -158,18 +158,21 @@ def _expand_sockets(sockets: tuple[ListenSocket, ...], name: str, x: Callable[[s
 
 
 def check_socket_clashes(units: Mapping[str, Unit], errors: list[UnitFileError]) -> None:
-    """Two units (or instances) on one address: the second bind would fail at its start,
-    unless every socket on it sets reuseport (then the kernel spreads the connections)."""
+    """Two units on one address: the second bind would fail at its start, unless every
+    socket on it sets reuseport (then the kernel spreads the connections). The instances of
+    one unit on one TCP address without reuseport share one socket (omnid.process.sockets)."""
     first: dict[str, tuple[Unit, int, bool]] = {}
     for unit in units.values():
         for i, s in enumerate(unit.sockets):
             other = first.setdefault(s.listen, (unit, i, s.reuseport))
             if other[0] is unit:
                 continue
+            if not s.unix and not s.reuseport and not other[2] and other[0].template == unit.template:
+                continue  # one socket, shared by the instances
             if s.unix or not (s.reuseport and other[2]):
                 errors.append(UnitFileError(unit.file, f"sockets[{i}].listen", (
                     f"{quote(s.listen)} is also a socket of {other[0].name}; expected each address once "
-                    f"(a TCP address shared by instances: reuseport = true on each)")))
+                    f"(instances of one unit share it, or each has its own with reuseport = true on each)")))
 
 
 def _resolve_reference(

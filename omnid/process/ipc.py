@@ -188,9 +188,17 @@ class IpcBook:
         if tag is None:
             self.unattributed += 1
             if facts.descends:  # perhaps a unit whose spawn's answer has not been read yet
+                # Said once per entry: an entry of one of our units that stays unattributed is a
+                # leak at its death, and this line is how to find out why.
+                log.info("/dev/shm entry of a descendant not attributed (yet)", entry=name, creator=pid,
+                         lineage=list(facts.lineage[:6]), sid=facts.sid, pgid=facts.pgid, why=found.reason)
                 with self._lock:
                     self._unresolved.append((facts, name, time.monotonic()))
+            else:
+                log.debug("/dev/shm entry not attributed", entry=name, creator=pid, why=found.reason)
             return
+        log.debug("/dev/shm entry attributed", entry=name, creator=pid, unit=tag,
+                  why=found.reason if found.unit is not None else "its environment names the unit")
         self._record(tag, pid, name)
 
     def _record(self, tag: str, pid: int, name: str) -> None:

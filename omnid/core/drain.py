@@ -7,6 +7,12 @@ The drain request is a POST to the unit's `drain.http` URL or the signal `drain.
 The drain is over at the first of:
 - the POST answered 200 or 204 (a drain endpoint that answers once in-flight work is done);
 - the unit says so with sd_notify `STATUS=idle` (or a STATUS beginning with "idle");
+- with a `progress` rule, the engine's own metrics say so: its `busy` gauges (vLLM:
+  vllm:num_requests_running, vllm:num_requests_waiting) read 0 on IDLE_SCRAPES scrapes in a
+  row, the rule's `interval` apart -- for an engine that has no drain endpoint and no idle
+  notice, and whose own SIGTERM loses work (vLLM 0.32 aborts what is not yet scheduled and
+  answers what comes during its own drain with a 500): the stop signal comes once nothing
+  runs or waits;
 - its main process exited (a server that drains, then exits by itself);
 - drain_timeout (the table's timer).
 A POST answered 202 means "accepted, draining": omnid waits for one of the others. Any
@@ -17,15 +23,52 @@ must not hold a stop for drain_timeout).
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
 
-from omnid.core import probes
+from omnid.core import probes, progress
 from omnid.core.centre import Centre
 from omnid.core.runtime import UnitRuntime
-from omnid.model.unitmodel import KillMode
+from omnid.model.unitmodel import KillMode, Progress
 
 log = structlog.get_logger("omnid.supervisor")
+
+# Scrapes in a row that must read every busy gauge at 0: one could fall between a request's
+# arrival and its first engine step (vLLM counts a request once its engine has it).
+IDLE_SCRAPES = 2
+IDLE_INTERVAL_MAX_S = 1.0  # a drain reads the gauges at least this often, whatever the rule's interval
+
+
+async def engine_idle(rule: Progress, unit: str) -> str:
+    """Until the `busy` gauges of `rule` read 0 on IDLE_SCRAPES scrapes in a row (bounded by the
+    caller: drain_timeout). A failed scrape or a gauge missing from the page proves nothing and
+    starts the count again (said once: such a drain lasts its drain_timeout)."""
+    interval = min(rule.interval, IDLE_INTERVAL_MAX_S)
+    in_a_row, said = 0, False
+    while True:
+        t0 = time.monotonic()
+        why = ""
+        try:
+            _counter, busy = await progress.scrape(rule)
+            missing = [g for g, v in busy.items() if v is None]
+            if missing:
+                why = f"{', '.join(missing)} not in {rule.metrics}"
+            elif sum(v for v in busy.values() if v is not None) > 0:
+                why = "busy"
+        except probes.ProbeFailed as exc:
+            why = str(exc)
+        if not why:
+            in_a_row += 1
+            if in_a_row >= IDLE_SCRAPES:
+                return f"drained ({' + '.join(rule.busy)} = 0 on {IDLE_SCRAPES} scrapes of {rule.metrics})"
+        else:
+            in_a_row = 0
+            if why != "busy" and not said:
+                said = True
+                log.warning("drain: the engine's metrics cannot prove it idle; waiting for drain_timeout "
+                            "or another end", unit=unit, why=why)
+        await asyncio.sleep(max(0.0, interval - (time.monotonic() - t0)))
 
 
 class Drains:
@@ -74,11 +117,23 @@ class Drains:
             # in, so the table hears of it before this drain could end it as DRAINED -- which
             # would send the stop signal to a dead main process instead of dealing with the rest.
             waits = [asyncio.ensure_future(idle.wait()), asyncio.ensure_future(h.reaped.wait())]
+            metrics = None
+            if rt.spec.progress is not None:
+                metrics = asyncio.ensure_future(engine_idle(rt.spec.progress, rt.name))
+                waits.append(metrics)
             try:
                 done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for w in waits:
                     w.cancel()
-            return "drained (STATUS=idle)" if idle.is_set() else "drained (its main process exited)"
+            if idle.is_set():
+                return "drained (STATUS=idle)"
+            if metrics is not None and metrics in done:
+                if (exc := metrics.exception()) is not None:
+                    log.warning("drain: reading the engine's metrics failed; stopping now", unit=rt.name,
+                                error=f"{type(exc).__name__}: {exc}")
+                    return f"drain's metrics wait failed ({type(exc).__name__}: {exc})"
+                return metrics.result()
+            return "drained (its main process exited)"
         finally:
             self._idle.pop(rt.name, None)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omnid.base.ownership import UnsafePath, check_private_dir, owner_name
+from omnid.process import proof
 
 import structlog
 
@@ -66,7 +67,10 @@ def prepare_socket_dir(control: str, group: str | None = None) -> None:
         if os.path.exists(p):
             if socket_is_live(p):
                 raise ControlError("already_running", f"another omnid daemon answers on {p}")
-            os.unlink(p)  # stale: its daemon is gone
+            # Stale: its daemon is gone. The directory was just checked to be the daemon's alone.
+            if not (verdict := _daemon_file(p)):
+                raise ControlError("unsafe_path", f"will not remove {p}: {verdict.reason}")
+            os.unlink(p)
 
 
 def check_control_dir(control: str, trusted: tuple[int, ...] | None = None) -> None:
@@ -87,6 +91,16 @@ def check_control_dir(control: str, trusted: tuple[int, ...] | None = None) -> N
                                  f"expected {' or '.join(owner_name(u) for u in trusted)}")
     except UnsafePath as exc:
         raise ControlError("unsafe_path", str(exc)) from None
+
+
+def _daemon_file(path: str) -> proof.Verdict:
+    """A file in the control directory (checked: the daemon's user's alone) is the daemon's
+    when it is owned by that user and no link (omnid.process.proof.daemon_file)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return proof.Verdict(True, f"{path} is gone")
+    return proof.daemon_file(path, st, (os.geteuid(),))
 
 
 def socket_is_live(path: str) -> bool:
@@ -242,6 +256,9 @@ class ControlServer:
         self.router.close(linger=0)
         self.pub.close(linger=100)
         for p in (self.control, events_path(self.control)):
+            if not (verdict := _daemon_file(p)):
+                log.warning("control socket file not removed", path=p, why=verdict.reason)
+                continue
             try:
                 os.unlink(p)
             except FileNotFoundError:

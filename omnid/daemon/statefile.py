@@ -17,6 +17,7 @@ from pathlib import Path
 import structlog
 
 from omnid.base import linux
+from omnid.process import proof
 from omnid.process.tags import DAEMON_TAG, TagReader, Tags
 
 log = structlog.get_logger("omnid.state")
@@ -100,8 +101,9 @@ class StateFile:
                 os.close(fd)
             os.replace(tmp, self.path)
         except BaseException:
-            try:
-                os.unlink(tmp)
+            try:  # made by this call (O_EXCL) in the state directory, which only the daemon writes
+                if proof.daemon_file(str(tmp), os.lstat(tmp), (os.geteuid(),)):
+                    os.unlink(tmp)
             except OSError:
                 pass
             raise
@@ -169,13 +171,13 @@ def find_leftovers(previous: PreviousState) -> list[Leftover]:
     for rec in previous.processes:
         st = linux.read_stat(rec.pid)
         if (st is not None and rec.pid != me and st.start_time == rec.start_time and st.state not in ("Z", "X")
-                and (t := tags(st)) is not None and t.daemon == token):
+                and (t := tags(st)) is not None and proof.previous_daemons(rec.pid, t.daemon, token)):
             found[rec.pid] = Leftover(rec.pid, rec.unit, "pid, start time and token match the state file",
                                       st.start_time)
     for st in linux.scan():
         if st.pid in found or st.pid == me or st.state in ("Z", "X"):
             continue
-        if (t := tags(st)) is not None and t.daemon == token:
+        if (t := tags(st)) is not None and proof.previous_daemons(st.pid, t.daemon, token):
             found[st.pid] = Leftover(st.pid, t.unit or "?", f"carries {DAEMON_TAG} of the previous daemon",
                                      st.start_time)
     return list(found.values())

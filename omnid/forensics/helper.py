@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import structlog
 
+from omnid.process import proof
+
 log = structlog.get_logger("omnid.forensics.helper")
 
 STDERR_CAP = 4096  # bytes of a helper's stderr kept: its error message, not a flood
@@ -95,8 +97,9 @@ def spawn(path: str, argv: list[str], env: dict[str, str]) -> tuple[int, int, in
     except OSError:
         os.close(out_r)
         os.close(err_r)
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        if proof.own_child(pid):  # not reaped: no one else can have its number
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
         raise
     os.set_blocking(out_r, False)
     os.set_blocking(err_r, False)

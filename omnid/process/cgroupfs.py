@@ -11,7 +11,12 @@ import errno
 import os
 import re
 
-DAEMON_LEAF = "daemon"  # the daemon's own leaf below a delegated root: never a unit's
+import structlog
+
+from omnid.process import proof
+from omnid.process.proof import DAEMON_LEAF  # the daemon's own leaf below a delegated root: never a unit's
+
+log = structlog.get_logger("omnid.process.cgroupfs")
 
 
 def cgroup2_mounts(mounts_file: str = "/proc/mounts") -> list[str]:
@@ -99,10 +104,19 @@ def kill(path: str) -> None:
         pass
 
 
-def remove_tree(path: str) -> bool:
-    """rmdir path once empty (sub-cgroups first); False while something still runs in it."""
-    if not os.path.isdir(path):
+def remove_tree(path: str, root: str | None = None) -> bool:
+    """rmdir path once empty (sub-cgroups first); False while something still runs in it, or
+    when it is not a unit's cgroup under `root` (default: its parent, the root that made it;
+    omnid.process.proof.cgroup_dir says why, logged)."""
+    try:
+        st: os.stat_result | None = os.lstat(path)
+    except FileNotFoundError:
         return True
+    verdict = proof.cgroup_dir(path, os.path.dirname(path.rstrip("/")) if root is None else root, st,
+                               os.path.exists(os.path.join(path, "cgroup.events")))
+    if not verdict:
+        log.warning("cgroup not removed", cgroup=path, why=verdict.reason)
+        return False
     for dirpath, dirs, _files in os.walk(path, topdown=False):
         for d in dirs:
             try:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from omnid.base import linux
+from omnid.process import proof
 from omnid.process.tags import DAEMON_TAG, UNIT_TAG, tags_of  # noqa: F401 - the tags, also imported from here
 
 
@@ -131,7 +132,9 @@ class ProcessHandle:
         is still ours. After the leader died, a bare pgid may name someone else's group
         (pid reuse): then only members that carry this unit's tag are signalled, each
         through a pidfd, and the main process through its own pidfd."""
-        if self.leader_alive() or self._leader_is_our_zombie():
+        running = self.leader_alive()
+        if proof.process_group(self.pgid, leader_running=running,
+                               leader_zombie=not running and self._leader_is_our_zombie()):
             try:
                 os.killpg(self.pgid, sig)
                 return True
@@ -182,9 +185,8 @@ def tagged(pid: int, unit: str, daemon_token: str | None, start_time: int | None
     """Does pid carry `unit`'s tag (and this daemon's token, or none)? Read off the loop, bounded
     (omnid.process.tags): a process whose environment is not read in time is not proven ours."""
     t = tags_of(pid, start_time)
-    if t is None or t.unit != unit:
-        return False
-    return daemon_token is None or t.daemon in (daemon_token, None)
+    return bool(proof.unit_tag(pid, unit, None if t is None else t.unit, None if t is None else t.daemon,
+                               daemon_token))
 
 
 def tagged_group_members(unit: str, pgid: int, daemon_token: str | None = None,
@@ -263,4 +265,10 @@ def kill_survivors(survivors: list[Survivor], sig: int = signal.SIGKILL) -> None
     """Kill residue found by find_residue, each through a pidfd opened and then
     checked against the start time we saw, so a recycled pid is never hit."""
     for s in survivors:
-        linux.signal_checked(s.pid, s.start_time, sig)
+        fd = linux.pidfd_if(s.pid, lambda s=s: bool(proof.same_process(s.pid, s.start_time,
+                                                                         linux.start_time_of(s.pid))))
+        if fd is not None:
+            try:
+                linux.pidfd_send_signal(fd, sig)
+            finally:
+                os.close(fd)

@@ -28,6 +28,7 @@ from pathlib import Path
 import structlog
 
 from omnid.base import linux
+from omnid.process import proof
 
 log = structlog.get_logger("omnid.process.privatetmp")
 
@@ -130,11 +131,11 @@ def remove(d: TmpDir, deadline_s: float = 10.0, max_entries: int = 1_000_000,
             return None
         except OSError as exc:
             return f"{d.path}: {_why_not(exc)}; left alone"
-        if not _is(st, d):
-            return f"{d.path}: not the directory omnid made (replaced); left alone"
+        if not (verdict := _proof(st, d)):
+            return f"{d.path}: {verdict.reason}; left alone"
         budget = [max_entries]
         try:
-            left = _remove_tree(pfd, name, time.monotonic() + deadline_s, budget, (d.dev, d.ino))
+            left = _remove_tree(pfd, name, time.monotonic() + deadline_s, budget, d)
         finally:
             if counted is not None:
                 counted.append(min(max_entries, max_entries - budget[0]))
@@ -154,7 +155,7 @@ def remove_if_empty(d: TmpDir) -> bool:
     except OSError:
         return False
     try:
-        if not _is(linux.stat_same_mount(name, pfd, os.O_DIRECTORY), d):
+        if not _proof(linux.stat_same_mount(name, pfd, os.O_DIRECTORY), d):
             return False
         os.rmdir(name, dir_fd=pfd)
         return True
@@ -166,9 +167,9 @@ def remove_if_empty(d: TmpDir) -> bool:
         os.close(pfd)
 
 
-def _is(st: os.stat_result, d: TmpDir) -> bool:
-    """Is this the directory omnid made (a directory, its device and inode, its owner)?"""
-    return stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == (d.dev, d.ino) and (d.uid < 0 or st.st_uid == d.uid)
+def _proof(st: os.stat_result, d: TmpDir) -> proof.Verdict:
+    """Is this the directory omnid made? omnid.process.proof.tmp_dir (device, inode, owner)."""
+    return proof.tmp_dir(d.path, st, d.dev, d.ino, d.uid)
 
 
 def _why_not(exc: OSError) -> str:
@@ -179,17 +180,17 @@ def _why_not(exc: OSError) -> str:
     return f"cannot open: {exc.strerror}"
 
 
-def _remove_tree(pfd: int, name: str, deadline: float, budget: list[int], ident: tuple[int, int]) -> str | None:
+def _remove_tree(pfd: int, name: str, deadline: float, budget: list[int], d: TmpDir) -> str | None:
     """rmtree's fd-based walk, iterative: every directory opened O_NOFOLLOW relative to its
-    parent's fd, links unlinked, never followed. Stops at the deadline or entry budget."""
+    parent's fd, links unlinked, never followed. Stops at the deadline or entry budget. The
+    proof is asked again of the directory the fd holds: what is walked is what was proven."""
     try:
         top = linux.open_same_mount(name, os.O_RDONLY | os.O_DIRECTORY, pfd)
     except OSError as exc:
         return f"{_why_not(exc)}; left alone"
-    st = os.fstat(top)
-    if (st.st_dev, st.st_ino) != ident:  # swapped between the lstat and the open: not ours
+    if not (verdict := _proof(os.fstat(top), d)):  # swapped between the lstat and the open: not ours
         os.close(top)
-        return "not the directory omnid made (replaced); left alone"
+        return f"{verdict.reason}; left alone"
     stack: list[tuple[int, str, int]] = [(pfd, name, top)]  # (parent fd, name, own fd)
     try:
         while stack:

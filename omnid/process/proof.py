@@ -34,11 +34,12 @@ from __future__ import annotations
 import enum
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 
 CLOCK_SLACK_S = 2.0  # wall clock (an object's ctime) against the spawn time
 NOBODY_UIDS = frozenset({65534, 65535, 0xFFFFFFFF})  # shared by many services: never a user of its own
+DAEMON_LEAF = "daemon"  # the daemon's own leaf below a delegated root (omnid.process.cgroupfs)
 SYS_UID_MAX_DEFAULT = 999  # /etc/login.defs: SYS_UID_MAX, else UID_MIN - 1 (UID_MIN defaults to 1000)
 
 
@@ -219,3 +220,156 @@ def posix_entry(inst: Instance, name: str, recorded_ino: int, st: os.stat_result
     if not stat.S_ISREG(st.st_mode):
         return _no(f"{name} is not a regular file")
     return _yes(f"{name} was created by a process of the unit")
+
+
+# ------------------------------------------------------------------ processes
+def same_process(pid: int, start_time: int, now: int | None) -> Verdict:
+    """A pid read somewhere names the process proven before only while its start time is the
+    same: pid + start time name a process uniquely. Read with a pidfd open on it
+    (omnid.base.linux.pidfd_if: the fd opened first, this read, then the fd checked alive), so
+    the answer is about the process the fd holds."""
+    if now is None:
+        return _no(f"pid {pid} is gone")
+    if now != start_time:
+        return _no(f"pid {pid} is another process now (started at {now}, not {start_time})")
+    return _yes(f"pid {pid}, started at {start_time}")
+
+
+def unit_tag(pid: int, unit: str, tag_unit: str | None, tag_daemon: str | None, token: str | None) -> Verdict:
+    """A process among the unit's own (its group, its session, the spawner's descendants)
+    carries its OMNID_UNIT and this daemon's OMNID_DAEMON token or none: read bounded, off the
+    loop (omnid.process.tags), never of a stranger. A process whose tags are not read in time
+    (`tag_unit` None) is not proven."""
+    if tag_unit != unit:
+        return _no(f"pid {pid} carries no tag of {unit}" if tag_unit is None else f"pid {pid} is {tag_unit}'s")
+    if token is not None and tag_daemon not in (token, None):
+        return _no(f"pid {pid} is tagged by another omnid daemon")
+    return _yes(f"pid {pid} carries {unit}'s tag")
+
+
+def previous_daemons(pid: int, tag_daemon: str | None, token: str | None) -> Verdict:
+    """A leftover of the daemon before this one (state.json's token, readable by root alone):
+    its environment carries that token, whatever its pid and start time say (a pid and a start
+    time can be copied from /proc; the token cannot)."""
+    if not token:
+        return _no("the previous daemon recorded no token")
+    if tag_daemon != token:
+        return _no(f"pid {pid} does not carry the previous daemon's token")
+    return _yes(f"pid {pid} carries the previous daemon's token")
+
+
+def own_child(pid: int) -> Verdict:
+    """A child this process spawned and has not reaped: the kernel keeps its pid for it until
+    the wait, so the number cannot name anyone else (waitid WNOWAIT asks without reaping)."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return _no(f"pid {pid} is not an unreaped child of this process")
+    return _yes(f"pid {pid} is this process's child, not reaped yet")
+
+
+def process_group(pgid: int, *, leader_running: bool = False, leader_zombie: bool = False,
+                  member_held: bool = False) -> Verdict:
+    """A process group's number is the unit's while something of the unit holds it: the kernel
+    frees a number only once no process uses it as pid, group or session. The caller says
+    which holds it, cheapest first: the leader (the unit's main process) running, its pidfd not
+    readable; the leader exited but not reaped (a zombie of the same start time keeps its pid);
+    a member proven the unit's (tag, start time) held by a pidfd and read in the group after
+    the fd was opened. None of these: the number may be a stranger's group now, and only
+    members proven one by one are signalled, each through a pidfd."""
+    if pgid <= 1:
+        return _no(f"process group {pgid} is never a unit's")
+    if leader_running:
+        return _yes(f"its leader, the unit's main process, is running (pidfd): group {pgid}")
+    if leader_zombie:
+        return _yes(f"its leader exited and is not reaped: group {pgid} cannot have been reused")
+    if member_held:
+        return _yes(f"a member proven the unit's holds group {pgid} (pidfd)")
+    return _no(f"the leader of group {pgid} is gone and no member is held: the number may be another group's")
+
+
+# ------------------------------------------------------------------ cgroups
+def cgroup_dir(path: str, root: str, st: os.stat_result | None, is_cgroup: bool) -> Verdict:
+    """A unit's cgroup directory: a child of the root omnid claimed (flag, omnid.toml or
+    systemd's delegation, where no other program makes cgroups), not the daemon's own leaf,
+    a directory that the kernel's cgroup.events file shows to be a cgroup (a cgroup file
+    system has no links). Sub-cgroups below it are the unit's too: only its processes could
+    make them."""
+    parent, name = os.path.split(path.rstrip("/"))
+    if os.path.normpath(parent) != os.path.normpath(root):
+        return _no(f"{path} is not directly under the claimed cgroup root {root}")
+    if name in ("", ".", "..", DAEMON_LEAF):
+        return _no(f"{path} is the daemon's own cgroup, never a unit's")
+    if st is None:
+        return _no(f"{path} is gone")
+    if not stat.S_ISDIR(st.st_mode):
+        return _no(f"{path} is not a directory")
+    if not is_cgroup:
+        return _no(f"{path} has no cgroup.events: not a cgroup")
+    return _yes(f"{name} is a cgroup under the claimed root {root}")
+
+
+# ------------------------------------------------------------------ files omnid made
+def tmp_dir(path: str, st: os.stat_result, dev: int, ino: int, uid: int) -> Verdict:
+    """A unit's private tmp directory: the directory omnid made (recorded at the mkdir in the
+    state directory's tmpdirs.json: device, inode, the owner it gave). A name alone is anyone's
+    (/tmp is everyone's); the inode number is checked with the owner because a number can be
+    reused once the directory is gone, and only its owner (or root) could remove it from the
+    sticky /tmp and make another of that name. What is below it is its own: walked by fds,
+    never through a link, never into another mount."""
+    if not stat.S_ISDIR(st.st_mode):
+        return _no("not a directory")
+    if (st.st_dev, st.st_ino) != (dev, ino):
+        return _no("not the directory omnid made (replaced)")
+    if uid >= 0 and st.st_uid != uid:
+        return _no(f"owned by uid {st.st_uid}, not {uid} as omnid made it (replaced)")
+    return _yes(f"{path} is the directory omnid made")
+
+
+@dataclass(frozen=True)
+class MadeSocket:
+    """A unit's Unix socket file as omnid bound it: its device, inode and change time, read
+    once its mode and owner were set (no one but root can set a change time)."""
+
+    dev: int
+    ino: int
+    ctime_ns: int
+
+
+def unit_socket(path: str, st: os.stat_result, made: MadeSocket | None) -> Verdict:
+    """A unit's socket file at its listen path: omnid's only when it is the one omnid bound,
+    as recorded at the bind (in the state directory, so a daemon after a SIGKILL or a re-exec
+    knows its predecessor's). "Nothing listens" proves nothing: another service's socket
+    reads the same while that service is down."""
+    if not stat.S_ISSOCK(st.st_mode):
+        return _no(f"{path} is not a socket")
+    if made is None:
+        return _no(f"{path} is a socket omnid has no record of binding")
+    if (st.st_dev, st.st_ino) != (made.dev, made.ino):
+        return _no(f"{path} is another socket file now (inode {st.st_ino}, not {made.ino})")
+    if st.st_ctime_ns != made.ctime_ns:
+        return _no(f"{path} was changed since omnid bound it (mode, owner or links)")
+    return _yes(f"{path} is the socket file omnid bound")
+
+
+def bound_now(path: str, st: os.stat_result, euid: int) -> Verdict:
+    """The name just bound, opened O_PATH without following a link, right after the bind in
+    a directory only root can write (omnid.base.ownership.open_directory): the daemon's socket
+    when it is a socket owned by the daemon's user. Its mode and owner are then set through
+    that fd, never through the name."""
+    if not stat.S_ISSOCK(st.st_mode):
+        return _no(f"{path} is not a socket")
+    if st.st_uid != euid:
+        return _no(f"{path} is owned by uid {st.st_uid}, not the daemon's {euid}")
+    return _yes(f"{path} is the socket the daemon just bound")
+
+
+def daemon_file(path: str, st: os.stat_result, uids: Container[int]) -> Verdict:
+    """A file in the daemon's own directory (the state directory, the control socket's
+    directory), which the caller has checked to be owned by the daemon's user and writable by
+    no one else: a file there not owned by a trusted uid, or a link, is no file of the daemon's."""
+    if stat.S_ISLNK(st.st_mode):
+        return _no(f"{path} is a symbolic link")
+    if st.st_uid not in uids:
+        return _no(f"{path} is owned by uid {st.st_uid}, not the daemon's")
+    return _yes(f"{path} is the daemon's, in its own directory")

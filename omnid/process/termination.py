@@ -36,6 +36,7 @@ from typing import Protocol
 import structlog
 
 from omnid.base import linux
+from omnid.process import proof
 from omnid.process.handle import ProcessHandle, Survivor, kill_survivors
 from omnid.process.unitprocs import MAX_BACKOFF_S, POLL_S, GroupProcesses, HeldProcesses, UnitProcesses
 
@@ -150,7 +151,8 @@ class ProcessGroupTarget:
         /proc took 0.3-0.7 s on a loaded 2-core host with 2,000 processes."""
         if self.h.reaped.is_set() and (fd := self.procs.member_pidfd()) is not None:
             try:
-                os.killpg(self.h.pgid, sig)
+                if proof.process_group(self.h.pgid, member_held=True):
+                    os.killpg(self.h.pgid, sig)
             except ProcessLookupError:
                 pass
             finally:

@@ -328,12 +328,12 @@ def test_a_unix_socket_file_left_over_is_replaced_a_live_one_or_a_plain_file_is_
         return Unit(name="u", template="u", instance=0, instances=1, file=tmp_path / "u.toml", exec=("true",),
                     sockets=(ListenSocket(listen=str(path), name="ctl", mode=0o600),))
 
-    held = HeldSockets()
+    stale = tmp_path / "stale.sock"
+    crashed = HeldSockets(tmp_path)  # omnid's own leftover (recorded in the state directory): a daemon
+    crashed.fds_for(unit(stale))    # SIGKILLed, its socket closed by the kernel, the file left
+    crashed.units["u"][0].sock.close()
+    held = HeldSockets(tmp_path)
     try:
-        stale = tmp_path / "stale.sock"
-        s = socket.socket(socket.AF_UNIX)
-        s.bind(str(stale))
-        s.close()  # the file stays, nothing listens: a leftover
         fds, names = held.fds_for(unit(stale))
         assert names == ["ctl"] and os.stat(stale).st_mode & 0o777 == 0o600
         with socket.socket(fileno=os.dup(fds[0])) as copy:

@@ -146,6 +146,7 @@ class Daemon(DaemonParts):
                               on_pids_changed=self._schedule_state_write,
                               check_invariants=os.environ.get("OMNID_CHECK_INVARIANTS") == "1",
                               gpu=self.gpu, cgroups=self.cgroups)
+        self.sup.sockets.keep_record(self.cfg.state_dir)  # what proves a unit's socket file omnid's
         self.sup.fdstore.start()  # stored fds that hang up are dropped (omnid.process.fdstore)
         for name, why in testswitch.refused_at_start():  # outside omnid's test suite: ignored, said once
             log.error("test switch ignored", env=name, reason=why)

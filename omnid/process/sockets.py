@@ -20,16 +20,26 @@ bind, so the file is never made wider than asked (the umask can only narrow it; 
 process-wide umask change: the daemon has threads), and then set exactly, with the owner,
 through an O_PATH fd of the name opened without following a link and checked to be a socket
 we made.
+
+A socket file is removed only when omnid.process.proof.unit_socket proves it the one omnid
+bound: its device, inode and change time, recorded at the bind in the state directory
+(`sockets.json`), so the daemon after a SIGKILL or a re-exec knows its predecessor's. A socket
+file nobody listens on is not proof: another service's reads the same while that service is
+down, and it is refused with a reason, never removed.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
+import secrets
 import socket
 import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
 
 import structlog
 
@@ -37,8 +47,13 @@ from omnid.base import ownership
 from omnid.model import accounts
 from omnid.model.unitmodel import ListenSocket, Unit
 from omnid.model.units import parse_host_port
+from omnid.process import proof
+from omnid.process.proof import MadeSocket
 
 log = structlog.get_logger("omnid.process.sockets")
+
+RECORD_NAME = "sockets.json"
+MAX_RECORD_BYTES = 1 << 20
 
 
 class BindError(Exception):
@@ -50,6 +65,7 @@ class Held:
     spec: ListenSocket
     sock: socket.socket
     owner: tuple[int, int] = (-1, -1)  # a Unix socket's file owner, as set at bind
+    made: MadeSocket | None = None  # a Unix socket's file as bound (None: not one, or not known)
 
     @property
     def key(self) -> tuple:
@@ -78,9 +94,15 @@ def _why(exc: OSError) -> str:
     return f"{code}: {exc.strerror}"
 
 
-def _unlink_stale(path: str, remove: bool = True) -> None:
-    """A socket file left by an earlier daemon is removed (`remove`); a live one (something
-    accepts on it) or a file that is not a socket is an error, never removed."""
+class Bound(NamedTuple):
+    sock: socket.socket
+    made: MadeSocket | None  # a Unix socket's file, as bound
+
+
+def _unlink_stale(path: str, made: MadeSocket | None, remove: bool = True) -> None:
+    """A socket file omnid bound (`made`, its record) that nothing listens on any more is
+    removed (`remove`); a live one (something accepts on it), one omnid cannot prove it bound
+    (omnid.process.proof.unit_socket) or a file that is not a socket is an error, never removed."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -93,7 +115,7 @@ def _unlink_stale(path: str, remove: bool = True) -> None:
         probe.connect(path)
     except (ConnectionRefusedError, FileNotFoundError):
         if remove:
-            os.unlink(path)  # nothing listens: a leftover
+            _remove_made(path, made)
         return
     except OSError:
         return  # let bind say what is wrong
@@ -102,16 +124,33 @@ def _unlink_stale(path: str, remove: bool = True) -> None:
     raise OSError(errno.EADDRINUSE, "address in use")
 
 
-def bind(spec: ListenSocket, owner: tuple[int, int] = (-1, -1)) -> socket.socket:
-    """A listening, non-blocking, close-on-exec socket for `spec`; OSError from the kernel,
-    ownership.UnsafePath for a Unix socket's directory that another user could write."""
+def _remove_made(path: str, made: MadeSocket | None) -> None:
+    """Nothing listens on `path`: removed if it is the socket file omnid bound, else EEXIST
+    naming why not (read again now: the probe's connect took its time)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not (verdict := proof.unit_socket(path, st, made)):
+        raise OSError(errno.EEXIST, f"nothing listens there, but {verdict.reason}: not removed (another "
+                                    "program's, or older than omnid's record of its sockets; remove it by hand)")
+    os.unlink(path)
+
+
+def bind(spec: ListenSocket, owner: tuple[int, int] = (-1, -1), made: MadeSocket | None = None) -> Bound:
+    """A listening, non-blocking, close-on-exec socket for `spec`, and a Unix socket's file as
+    bound; `made`: the record of the file omnid bound there before (a leftover it may replace).
+    OSError from the kernel, ownership.UnsafePath for a Unix socket's directory that another
+    user could write."""
     if spec.unix:
         dfd, where = ownership.open_directory(os.path.dirname(spec.listen), "the socket's directory")
         try:
             path = os.path.join(where, os.path.basename(spec.listen))  # the checked directory, no link
-            _unlink_stale(path)
-            return _listening(socket.AF_UNIX, lambda sock: _bind_unix(sock, path, dfd, spec.mode, owner),
+            _unlink_stale(path, made)
+            out: list[MadeSocket] = []
+            sock = _listening(socket.AF_UNIX, lambda sock: out.append(_bind_unix(sock, path, dfd, spec.mode, owner)),
                               spec.backlog)
+            return Bound(sock, out[0])
         finally:
             os.close(dfd)
     host, port = parse_host_port(spec.listen)
@@ -125,25 +164,27 @@ def bind(spec: ListenSocket, owner: tuple[int, int] = (-1, -1)) -> socket.socket
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # "[::]" is IPv6 only, as written
         sock.bind((host, port))
 
-    return _listening(family, bind_inet, spec.backlog)
+    return Bound(_listening(family, bind_inet, spec.backlog), None)
 
 
-def _bind_unix(sock: socket.socket, path: str, dfd: int, mode: int, owner: tuple[int, int]) -> None:
-    """Bind `path` (in the checked directory `dfd`) with exactly `mode` and `owner`."""
+def _bind_unix(sock: socket.socket, path: str, dfd: int, mode: int, owner: tuple[int, int]) -> MadeSocket:
+    """Bind `path` (in the checked directory `dfd`) with exactly `mode` and `owner`; the file
+    as made, for the record that later proves it omnid's."""
     # The kernel makes the file with the socket's own mode less the umask: never wider than
     # `mode`, whatever the umask, and without changing it for the daemon's other threads.
     os.fchmod(sock.fileno(), mode)
     sock.bind(path)
     fd = os.open(os.path.basename(path), os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        if not proof.bound_now(path, os.fstat(fd), os.geteuid()):
             raise OSError(errno.EEXIST, "the socket's file was replaced right after the bind")
         # fchmod/fchown refuse an O_PATH fd; through /proc/self/fd they act on its inode (the
         # socket just checked), never on where a link points.
         os.chmod(f"/proc/self/fd/{fd}", mode)
         if owner != (-1, -1):
             os.chown(f"/proc/self/fd/{fd}", *owner)
+        st = os.fstat(fd)  # the change time the mode and owner gave it: the record's
+        return MadeSocket(st.st_dev, st.st_ino, st.st_ctime_ns)
     finally:
         os.close(fd)
 
@@ -171,8 +212,15 @@ def describe(unit: Unit, index: int, exc: OSError | ownership.UnsafePath) -> str
 class HeldSockets:
     """The sockets the daemon holds, per unit instance, in the unit's `sockets` order."""
 
-    def __init__(self) -> None:
+    def __init__(self, state_dir: str | Path | None = None) -> None:
         self.units: dict[str, list[Held]] = {}
+        # Listen path -> the socket file omnid bound there: what proves a leftover its own.
+        self.record = SocketRecord(state_dir)
+
+    def keep_record(self, state_dir: str | Path | None) -> None:
+        """Record the socket files in the state directory (`sockets.json`), and take what a
+        previous program of this daemon recorded (before any bind or take-over)."""
+        self.record = SocketRecord(state_dir)
 
     def fds_for(self, unit: Unit) -> tuple[list[int], list[str]]:
         """The unit's listening fds and their names, bound now where not held yet (a changed
@@ -193,9 +241,11 @@ class HeldSockets:
                         if old.spec.listen == spec.listen:
                             self._close(unit.name, by_key.pop(k))
                     try:
-                        want.sock = bind(spec, want.owner)
+                        want.sock, want.made = bind(spec, want.owner, self.record.made.get(spec.listen))
                     except (OSError, ownership.UnsafePath) as exc:
                         raise BindError(describe(unit, i, exc)) from None
+                    if want.made is not None:
+                        self.record.add(spec.listen, want.made)
                     log.info("listening for a unit", unit=unit.name, listen=spec.listen, fd=want.sock.fileno())
                     h = want
                 h.spec = spec  # the name may have changed: it is not part of the socket
@@ -255,11 +305,19 @@ class HeldSockets:
         if self._shared(unit, h):
             return  # another instance's too: closed with the last
         if h.spec.unix:
+            path = h.spec.listen
             try:
-                if os.path.exists(h.spec.listen) and stat.S_ISSOCK(os.lstat(h.spec.listen).st_mode):
-                    os.unlink(h.spec.listen)
+                st = os.lstat(path)
+                if verdict := proof.unit_socket(path, st, h.made):
+                    os.unlink(path)
+                else:
+                    log.warning("a unit's socket file not removed", unit=unit, path=path, why=verdict.reason)
+            except FileNotFoundError:
+                pass
             except OSError as exc:
-                log.warning("cannot remove a unit's socket file", unit=unit, path=h.spec.listen, error=str(exc))
+                log.warning("cannot remove a unit's socket file", unit=unit, path=path, error=str(exc))
+            if h.made is not None:
+                self.record.drop(path, h.made)
         log.info("closed a unit's listening socket", unit=unit, listen=h.spec.listen)
         h.sock.close()
 
@@ -288,7 +346,8 @@ class HeldSockets:
                 sock.setblocking(False)
                 spec = ListenSocket(listen=str(it["listen"]), name="", backlog=int(it["backlog"]),
                                     mode=int(it["mode"]), reuseport=bool(it["reuseport"]))
-                by_fd[fd] = Held(spec, sock, tuple(int(x) for x in it["owner"]))
+                made = self.record.made.get(spec.listen) if spec.unix else None
+                by_fd[fd] = Held(spec, sock, tuple(int(x) for x in it["owner"]), made)
                 self.units.setdefault(name, []).append(by_fd[fd])
         self.keep_only(units.values())
 
@@ -302,9 +361,9 @@ def probe(unit: Unit) -> list[tuple[int, str]]:
             if spec.unix and not os.path.isdir(os.path.dirname(spec.listen)):
                 raise OSError(errno.ENOENT, f"the directory {os.path.dirname(spec.listen)} does not exist")
             if spec.unix and os.path.lexists(spec.listen):
-                _unlink_stale(spec.listen, remove=False)  # raises on a live one or a non-socket
-                continue  # a leftover: the daemon removes it and binds at start
-            sock = bind(spec)
+                _unlink_stale(spec.listen, None, remove=False)  # raises on a live one or a non-socket
+                continue  # a leftover: the daemon replaces it at start if its record proves it omnid's
+            sock, made = bind(spec)
         except ownership.UnsafePath as exc:
             problems.append((i, f"will not listen on {spec.listen}: {exc}"))
             continue
@@ -312,6 +371,79 @@ def probe(unit: Unit) -> list[tuple[int, str]]:
             problems.append((i, f"cannot listen on {spec.listen}: {_why(exc)}"))
             continue
         sock.close()
-        if spec.unix:
-            os.unlink(spec.listen)
+        if spec.unix and made is not None:
+            _remove_made(spec.listen, made)  # the file this probe just bound
     return problems
+
+
+class SocketRecord:
+    """sockets.json in the daemon's state directory (only the daemon can write there, checked
+    at start): listen path -> the socket file omnid bound there (device, inode, change time),
+    written at each bind and removal, so that a daemon after a SIGKILL or a re-exec proves its
+    predecessor's leftovers its own -- and only those. Without a state directory (tests, a
+    daemon without one) it is kept in memory: this program's own sockets only."""
+
+    def __init__(self, state_dir: str | Path | None) -> None:
+        self.path = Path(state_dir) / RECORD_NAME if state_dir else None
+        self.made: dict[str, MadeSocket] = self._read()
+
+    def add(self, listen: str, made: MadeSocket) -> None:
+        self.made[listen] = made
+        self._write()
+
+    def drop(self, listen: str, made: MadeSocket) -> None:
+        if self.made.get(listen) == made:
+            del self.made[listen]
+            self._write()
+
+    def _write(self) -> None:
+        if self.path is None:
+            return
+        data = json.dumps({k: [m.dev, m.ino, m.ctime_ns] for k, m in self.made.items()}).encode()
+        tmp = self.path.with_name(f".{RECORD_NAME}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.error("cannot write the unit sockets record", path=str(self.path), error=str(exc))
+            try:  # made by this call (O_EXCL) in the state directory
+                if proof.daemon_file(str(tmp), os.lstat(tmp), (os.geteuid(),)):
+                    os.unlink(tmp)
+            except OSError:
+                pass
+
+    def _read(self) -> dict[str, MadeSocket]:
+        """What a previous program recorded (untrusted: a small regular file of ours)."""
+        if self.path is None:
+            return {}
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            log.warning("unit sockets record unreadable; ignoring it", path=str(self.path), error=str(exc))
+            return {}
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES or st.st_uid != os.geteuid():
+                log.warning("unit sockets record is not a small file of ours; ignoring it", path=str(self.path))
+                return {}
+            raw = os.read(fd, MAX_RECORD_BYTES + 1)
+        finally:
+            os.close(fd)
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            log.warning("unit sockets record is not a JSON object; ignoring it", path=str(self.path))
+            return {}
+        return {k: MadeSocket(*v) for k, v in data.items() if isinstance(k, str) and _three_ints(v)}
+
+
+def _three_ints(v: object) -> bool:
+    return isinstance(v, list) and len(v) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in v)

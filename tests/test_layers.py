@@ -82,7 +82,9 @@ def resolve(mod: str, name: str, known: dict[str, Path]) -> str:
 
 
 def test_every_module_stands_on_a_floor():
-    stray = [m for m in modules() if m != "omnid" and top(m) not in RANK and top(m) != "demo"]
+    # omnid.engines: launchers run by an engine's own interpreter, never imported (package data;
+    # test_engine_vllm_socket.py checks they import nothing of omnid).
+    stray = [m for m in modules() if m != "omnid" and top(m) not in RANK and top(m) not in ("demo", "engines")]
     assert not stray, f"modules outside every layer package (give each a package): {stray}"
 
 

@@ -578,6 +578,32 @@ def cmd_logs(a: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return EXIT_OK
 
+def cmd_example(a: argparse.Namespace) -> int:
+    """Write a working stack for a real engine (omnid.cli.examples); nothing is started."""
+    import shutil
+
+    from omnid.cli import examples
+
+    python = a.python if os.path.isabs(a.python) else shutil.which(a.python)
+    if python is None or not os.path.isfile(python) or not os.access(python, os.X_OK):
+        raise CliError(f"--python {a.python}: not an executable file (give vLLM's interpreter, e.g. "
+                       "/opt/vllm/.venv/bin/python)", EXIT_USAGE)
+    model = a.model
+    if os.path.isdir(model):
+        model = os.path.abspath(model)  # a unit's cwd is not this shell's
+    stack = examples.VllmStack(python=os.path.abspath(python), model=model, port=a.port, instances=a.instances,
+                               served_name=a.served_model_name or "", engine_args=tuple(a.engine_args))
+    try:
+        written = examples.write_vllm(a.directory, stack)
+    except examples.ExampleError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    for path in written:
+        print(path)
+    print(f"check it with: omnid check {written[0].parent}; start it with: omnid start -u {written[0].parent}",
+          file=sys.stderr)
+    return EXIT_OK
+
+
 def cmd_completion(a: argparse.Namespace) -> int:
     from omnid.cli import completion
 
@@ -787,6 +813,26 @@ def build_parser() -> argparse.ArgumentParser:
                         "(exit 2), not a warning")
     c.set_defaults(func=cmd_check)
 
+    ex = sub.add_parser("example", usage="omnid example vllm DIR --python PY --model MODEL --port PORT [--instances N] "
+                                         "[--served-model-name NAME] [-- VLLM_ARG ...]", help="write a working stack for a real engine into DIR (vllm: one unit on a "
+                                        "socket omnid holds, with its launcher)",
+                        description="Write DIR/vllm.toml, the unit the test suite runs against real vLLM (probes, "
+                                    "kill_mode, drain and restart settings, each with a comment saying why), and "
+                                    "DIR/vllm_listenfd.py, the launcher that serves vLLM's API server on the "
+                                    "socket omnid holds, so a crash or restart refuses no connection. Arguments "
+                                    "after -- go to vLLM unchanged. Nothing is started: omnid check DIR, then "
+                                    "omnid start -u DIR.")
+    ex.add_argument("engine", choices=["vllm"], help="the engine")
+    ex.add_argument("directory", metavar="DIR", help="where to write the stack (made if missing)")
+    ex.add_argument("--python", required=True, metavar="PY", help="the interpreter of vLLM's environment")
+    ex.add_argument("--model", required=True, metavar="MODEL", help="a model name or directory (--model of vLLM)")
+    ex.add_argument("--port", required=True, type=_port, metavar="PORT", help="the API's port on 127.0.0.1")
+    ex.add_argument("--instances", type=_positive_int, default=1, metavar="N",
+                    help="N engines sharing one socket on PORT, each probed on its own port (PORT's tens + 1, "
+                         "then its number): one engine's crash leaves the others serving (default 1)")
+    ex.add_argument("--served-model-name", metavar="NAME", help="the name clients ask for (default: MODEL)")
+    ex.set_defaults(func=cmd_example, engine_args=[])
+
     cp = sub.add_parser("completion", help="print a shell completion script (commands, options, unit names "
                                            "of the running stack)",
                         description="Print a completion script for bash or zsh: source <(omnid completion bash), "
@@ -835,6 +881,13 @@ def _non_negative_int(text: str) -> int:
     return v
 
 
+def _port(text: str) -> int:
+    v = _non_negative_int(text)
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port from 1 to 65535, got {text!r}")
+    return v
+
+
 def _host_port(text: str) -> str:
     from omnid.model.units import parse_host_port
 
@@ -873,7 +926,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    passed: list[str] | None = None
+    if "--" in argv and "example" in argv[:argv.index("--")]:
+        # omnid example ... -- VLLM_ARG...: what follows goes to the engine as given (argparse
+        # would take an engine's --option for one of ours).
+        at = argv.index("--")
+        argv, passed = argv[:at], argv[at + 1:]
     a = parser.parse_args(argv)
+    if passed is not None:
+        a.engine_args = passed
     if a.control:
         a.control = os.path.abspath(a.control)
     try:

@@ -52,10 +52,48 @@ def knows(key: str) -> bool:
     return _known[key]
 
 
+# The suite's sizes for vLLM's CPU build and a tiny model on two loaded cores; everything else
+# is what `omnid example vllm` writes (omnid.cli.examples).
+CPU_ENGINE_ARGS = (
+    # On CPU the fraction is of RAM; the KV cache is VLLM_CPU_KVCACHE_SPACE GiB.
+    "--gpu-memory-utilization", "0.1", "--max-model-len", "512",
+    # No torch.compile warm-up: a restart is import + load (~30 s), not + compile (~60 s).
+    "--enforce-eager",
+)
+
+
+def stack(python: Path | str, model: Path | str, port: int, *, stall_sec: int = 8, extra: str = "",
+          kill_mode: bool = True, progress: bool = True, ready_interval: bool = True,
+          liveness: bool = True, instances: int = 1, held_socket: bool = True):
+    """The suite's vLLM stack (omnid.cli.examples.VllmStack) with its CPU sizes and bounds."""
+    from omnid.cli.examples import VllmStack
+
+    return VllmStack(
+        python=str(python), model=str(model), port=port, instances=instances, served_name=MODEL_NAME,
+        engine_args=CPU_ENGINE_ARGS, env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+        ready_timeout=400,
+        # 4 s is ample for this model's requests (a few hundred ms each on CPU). vLLM 0.32 was
+        # seen to wait out the whole bound after a SIGTERM or SIGINT of its API server under
+        # load, so each such row pays it (10 s before: ~20 s of CI a run).
+        shutdown_timeout=4, stop_timeout=30,
+        # A hung tree never finishes that drain (seen: 60 s with stop_timeout = 60): 5 s.
+        abort_timeout=5, kill_timeout=20,
+        # One module-scoped stack takes a fault per row: the backoff doubling to its default
+        # 60 s cap would cost a minute a row from the 7th restart on.
+        restart_sec=1, restart_max_sec=2, start_limit_burst=30, start_limit_interval=3600,
+        stall_sec=stall_sec, liveness=liveness,
+        progress=progress and knows("progress"), canary=knows("progress_canary"),
+        kill_mode=kill_mode and knows("kill_mode"), ready_interval=ready_interval and knows("ready_interval"),
+        held_socket=held_socket, extra=textwrap.dedent(extra) if extra else "")
+
+
 def unit_toml(python: Path | str, model: Path | str, port: int, *, stall_sec: int = 8, extra: str = "",
               kill_mode: bool = True, progress: bool = True, ready_interval: bool = True,
-              liveness: bool = True) -> str:
-    """The API server (which starts EngineCore, which starts the Worker) as one unit.
+              liveness: bool = True, instances: int = 1, held_socket: bool = True) -> str:
+    """The API server (which starts EngineCore, which starts the Worker) as one unit, as
+    `omnid example vllm` writes it (omnid.cli.examples.vllm_unit; the launcher run in place
+    from the package), on a socket omnid holds unless `held_socket` is False (vLLM binds its
+    port itself: the layout before issue 35).
 
     Probes: `ready` on vLLM's /health; `liveness` on it too (an API server that closed its
     port and never exits: seen after a SIGINT, its shutdown hung for minutes with EngineCore
@@ -64,59 +102,11 @@ def unit_toml(python: Path | str, model: Path | str, port: int, *, stall_sec: in
     for a Worker that hangs between two batches (vLLM publishes its gauges per engine step:
     they freeze at 0 running, and the rule alone sees an idle engine). Keys this omnid does
     not know yet are left out (their tests are expected failures)."""
-    base = f"http://127.0.0.1:{port}"
-    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-            # On CPU the fraction is of RAM; the KV cache is VLLM_CPU_KVCACHE_SPACE GiB.
-            "--gpu-memory-utilization", "0.1", "--max-model-len", "512",
-            # No torch.compile warm-up: a restart is import + load (~30 s), not + compile (~60 s).
-            "--enforce-eager",
-            # On SIGTERM, finish the requests in flight for up to this long (vLLM's default, 0,
-            # aborts them with a 500 at once): kill_mode = "mixed" then lets the drain happen.
-            # 4 s is ample for this model's requests (a few hundred ms each on CPU). vLLM 0.32
-            # was seen to wait out the whole bound after a SIGTERM or SIGINT of its API server
-            # under load, so each such row pays it (10 s before: ~20 s of CI a run).
-            "--shutdown-timeout", "4"]
-    lines = [
-        'description = "vLLM CPU build, tiny local model (tests/engines)"',
-        'role = "serve"',
-        f"exec = {json.dumps(argv)}",
-        'env = { VLLM_CPU_KVCACHE_SPACE = "1", HF_HUB_OFFLINE = "1", TRANSFORMERS_OFFLINE = "1", '
-        'VLLM_WORKER_MULTIPROC_METHOD = "spawn", VLLM_NO_USAGE_STATS = "1", DO_NOT_TRACK = "1" }',
-        f'ready = {{ http = "{base}/health" }}',
-        "ready_timeout = 400",
-        "restart = \"on-failure\"",
-        "restart_sec = 1",
-        # One module-scoped stack takes a fault per row: the backoff doubling to its default
-        # 60 s cap would cost a minute a row from the 7th restart on.
-        "restart_max_sec = 2",
-        "start_limit_burst = 30",
-        "start_limit_interval = 3600",
-        # Above the drain (--shutdown-timeout 4).
-        "stop_timeout = 30",
-        # A hung tree (failed by `progress` or `liveness`) never finishes that drain: vLLM's
-        # shutdown waits on the stopped Worker (seen: 60 s with stop_timeout = 60), down all
-        # that time. SIGKILL 5 s after its SIGTERM instead.
-        "abort_timeout = 5",
-        "kill_timeout = 20",
-    ]
-    if kill_mode and knows("kill_mode"):
-        lines.append('kill_mode = "mixed"')
-    if ready_interval and knows("ready_interval"):
-        lines.append("ready_interval = 1")
-    if liveness:
-        # 3 failures 2 s apart, each given 5 s: a 2-core machine loading the next test's engine
-        # must not make a serving vLLM look dead; a closed port fails in ~6 s.
-        lines.append(f'liveness = {{ http = "{base}/health", interval = 2, timeout = 5, failures = 3 }}')
-    if progress and knows("progress"):
-        body = json.dumps({"model": MODEL_NAME, "prompt": "ping", "max_tokens": 1})
-        canary = (f', canary = {{ http = "{base}/v1/completions", headers = {{ "Content-Type" = "application/json" }}, '
-                  f'body = {json.dumps(body)} }}' if knows("progress_canary") else "")
-        lines.append(f'progress = {{ metrics = "{base}/metrics", counter = "vllm:generation_tokens_total", '
-                     f'busy = ["vllm:num_requests_running"], stall_sec = {stall_sec}, interval = 1{canary} }}')
-    if extra:
-        lines.append(textwrap.dedent(extra))
-    return "\n".join(lines) + "\n"
+    from omnid.cli.examples import vllm_unit
+
+    return vllm_unit(stack(python, model, port, stall_sec=stall_sec, extra=extra, kill_mode=kill_mode,
+                           progress=progress, ready_interval=ready_interval, liveness=liveness,
+                           instances=instances, held_socket=held_socket))
 
 
 # --------------------------------------------------------------------------- the tree, from /proc

@@ -1,13 +1,32 @@
-"""Proof before touch: is this object this unit instance's? Answered from kernel facts alone,
-never from a name, and never from "a process of the unit used it" (every root service's
-objects are root's, and anyone may use an object its mode allows).
+"""Proof before touch: is this object this unit instance's (or the daemon's own)? Answered from
+kernel facts alone, never from a name, never from "nothing listens on it", and never from "a
+process of the unit used it" (every root service's objects are root's, and anyone may use an
+object its mode allows). Every signal, unlink, rmdir, chown and chmod omnid makes on a host
+object asks one function here first; reading this module tells every rule.
 
-The callers read the facts (omnid.process.ipc: /proc/sysvipc rows, a stat of the entry, the
-creator's /proc/PID/stat and /proc/PID/cgroup, none of which takes another process's memory
-lock) and act only on a `Verdict` that says ours; its reason is for people, never parsed.
+The callers read the facts (a stat, a /proc/sysvipc row, /proc/PID/stat and /proc/PID/cgroup,
+none of which takes another process's memory lock; a process's tags only through
+omnid.process.tags, bounded, off the loop) and act only on a `Verdict` that says ours; its
+reason is for people (a log line, a unit's failure reason), never parsed. The acts stay at
+their sites, right after the verdict, because each is bound to what the site holds for it: a
+pidfd kept open from the proof to the signal, a walk's dir_fd, a socket's O_PATH fd.
 
 | object kind           | proof used                                          | never touched                      |
 |-----------------------|-----------------------------------------------------|------------------------------------|
+| process               | its spawn's pidfd; a pid read somewhere through     | a bare pid; one whose start time   |
+|                       | linux.pidfd_if with `same_process` (start time) or  | differs; a stranger's environment  |
+|                       | its cgroup; a scanned one of the unit's own also    | (never read); an untagged or       |
+|                       | `unit_tag`; a previous daemon's `previous_daemons`; | unread one; a reaped child         |
+|                       | a helper child before its pidfd `own_child`         |                                    |
+| process group         | `process_group`: leader running or unreaped, or a   | a number whose leader is reaped    |
+|                       | proven member held by pidfd                         | with no member held                |
+| cgroup directory      | `cgroup_dir`: directly under the claimed root, a    | anything outside the root; the     |
+|                       | cgroup (cgroup.events), not the daemon's leaf       | daemon's own leaf                  |
+| private tmp directory | `tmp_dir`: device, inode, owner recorded at mkdir   | an unrecorded or replaced one      |
+| unit socket file      | `unit_socket`: device, inode, change time recorded  | another program's socket, even     |
+|                       | at the bind; `bound_now` for its mode and owner     | with nothing listening             |
+| the daemon's files    | `daemon_file`: in its checked own directory, its    | a link; another user's file        |
+|                       | user's, no link                                     |                                    |
 | System V segment      | the kernel's creator pid (cpid) is one of the       | a segment someone is attached to;  |
 |                       | instance's pids, made (ctime) after its spawn,      | one another process created, even  |
 |                       | owner = creator = the unit's user                   | if the unit attached to it         |

@@ -163,6 +163,27 @@ def test_a_sigkilled_daemons_socket_file_is_replaced_a_strangers_is_refused(tmp_
                 d.close()
 
 
+def test_after_a_reexec_the_daemon_still_proves_its_socket_file_and_removes_it_at_stop(tmp_path):
+    """The record crosses `omnid reexec` (the new program reads sockets.json for the sockets it
+    inherits): the unit keeps the same socket, and the ordered stop after it removes the file,
+    which it would leave if the new program could not prove it its own."""
+    socks = temp_dir("proof-socks-")
+    web = socks / "web.sock"
+    d = Daemon(make_stack({"web": f'exec = ["{PY}", "{LISTEN_UNIT}", "{tmp_path / "r"}", "--ignore"]\n'
+                                  f'sockets = [{{ listen = "{web}", name = "ctl" }}]\nstop_timeout = 5\n'}))
+    d.start()
+    try:
+        pid = d.wait_state("web", "active")["pid"]
+        ino = os.lstat(web).st_ino
+        d.reexec()
+        assert d.unit("web")["pid"] == pid and os.lstat(web).st_ino == ino
+        d.ok("shutdown")
+        assert d.wait_exit(30) == 0, d.log()[-3000:]
+        assert not web.exists(), f"the socket file is left after the stop:\n{d.log()[-3000:]}"
+    finally:
+        d.close()
+
+
 # ------------------------------------------------------------------ cgroup directories
 def test_cgroup_removal_refuses_what_is_not_a_unit_cgroup_under_the_root(tmp_path):
     plain = tmp_path / "unit"

@@ -656,3 +656,63 @@ def test_a_paused_notify_socket_neither_kills_a_pinging_unit_nor_fails_a_start(d
                           for k in ("watchdog", "ready_timeout")}, (held_total, said)
     wait_for(lambda: d.ok("status")["daemon"]["foreign_fd_closes"]["stuck"] == 0, 15,
              lambda: f"the lingering closes ended: {d.ok('status')['daemon']['foreign_fd_closes']}")
+
+
+# A stranger that sends N TCP sockets whose close lingers LINGER s (16 hold the closer's
+# threads, the rest wait in its queue), says "sent", and on stdin's end closes the peers.
+LINGERERS = r'''
+import socket, struct, sys, threading
+sys.path.insert(0, sys.argv[1])
+from tests.harness import lingering_tcp_socket
+addr, linger, n = "\0" + sys.argv[2][1:], int(sys.argv[3]), int(sys.argv[4])
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+keep, sent = [], 0
+while sent < n:
+    c, srv, peer = lingering_tcp_socket(linger)
+    keep += [srv, peer]
+    s.sendmsg([b"FDSTORE=1"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", c.fileno()))], 0, addr)
+    t = threading.Thread(target=c.close, daemon=True)  # the daemon's copy must be the last one
+    t.start()
+    t.join(0.3)
+    sent += not t.is_alive()
+print("sent", flush=True)
+sys.stdin.readline()
+for x in keep:
+    x.close()
+'''
+
+
+def test_a_reexec_during_a_flood_hands_the_waiting_closes_to_the_next_program(daemon_factory):
+    """fds from outside still queued for a closer thread at `omnid reexec` are handed to the next
+    program, whose closer closes them. Close-on-exec would make the exec itself close them, one
+    after another: each lingering socket's close held the new program's start for its linger
+    time (seen: 28 s of handover with 4 queued x 6 s)."""
+    linger, queued = 15, 2
+    d = daemon_factory(make_stack({"victim": VICTIM}))
+    addr = notify_address(d, "victim")
+    pid_before = d.ok("status")["daemon"]["program_since"]
+    a = subprocess.Popen([PY, "-c", LINGERERS, str(REPO), addr, str(linger), str(16 + queued)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/",
+                         env=dict(os.environ, PYTHONPATH=repo_pythonpath()))
+    try:
+        assert a.stdout is not None and a.stdout.readline().split() == ["sent"]
+        closes = wait_for(lambda: (c := d.ok("status")["daemon"]["foreign_fd_closes"])["queued"] >= queued and c, 15,
+                          lambda: f"{queued} closes queued: {d.ok('status')['daemon']['foreign_fd_closes']}")
+        t0 = time.monotonic()
+        d.reexec(timeout=60)
+        took = time.monotonic() - t0
+        taken = [e for e in d.log_events() if e.get("event", "").startswith("daemon re-executed")]
+        after = d.ok("status")["daemon"]["foreign_fd_closes"]
+        print(f"\nre-exec with {closes['queued']} lingering closes queued ({linger} s each): answered after "
+              f"{took:.2f} s, handover {taken[-1].get('handover_ms') if taken else '?'} ms; the next program's "
+              f"closes {after}")
+        assert d.ok("status")["daemon"]["program_since"] > pid_before
+        assert taken and taken[-1]["handover_ms"] < linger * 1000, \
+            f"the exec waited on the queued closes: {taken[-1:] or d.log()[-2000:]}"
+        assert after["threaded"] >= queued, f"the next program's closer did not take them over: {after}"
+    finally:
+        assert a.stdin is not None
+        a.stdin.close()
+        a.wait(30)
+    wait_for(lambda: d.ok("status")["daemon"]["foreign_fd_closes"]["queued"] == 0, 30,
+             lambda: f"the handed-over closes done: {d.ok('status')['daemon']['foreign_fd_closes']}")

@@ -193,6 +193,14 @@ class _Pool:
     def waiting(self) -> int:
         return len(self._queue)  # a deque's len needs no lock
 
+    def take_waiting(self) -> list[int]:
+        """Empty the queue and hand its fds to the caller (a re-exec: exec would close them
+        itself, and a lingering socket's close would hold the new program's start)."""
+        with self._lock:
+            fds = [fd for fd, _ in self._queue]
+            self._queue.clear()
+            return fds
+
     def _run(self) -> None:
         me = threading.get_ident()
         while True:
@@ -254,6 +262,13 @@ def close(fd: int) -> None:
 def close_all(fds: list[int]) -> None:
     for fd in fds:
         close(fd)
+
+
+def take_waiting() -> list[int]:
+    """The fds still waiting for a closer thread, taken off the queue (omnid reexec hands them
+    to the next program, whose closer closes them: close-on-exec would make the exec itself do
+    every waiting close, one after another, before the next program runs a line)."""
+    return _pool.take_waiting()
 
 
 def room() -> int:

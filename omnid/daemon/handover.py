@@ -50,7 +50,7 @@ from typing import Any
 
 import structlog
 
-from omnid.base import linux
+from omnid.base import closer, linux
 from omnid.daemon import record as reexecrecord
 
 log = structlog.get_logger("omnid.daemon.handover")
@@ -254,6 +254,7 @@ async def hand_over(daemon: Any, check: ProgramCheck) -> None:
             for fd in fds:
                 if fd_alive(fd):
                     os.set_inheritable(fd, False)
+            closer.close_all(rec.get("foreign_fds") or [])  # the exec failed: back to this program's closer
     except OSError as exc:
         log.error("re-exec failed; this program goes on", error=str(exc))
         if cluster_paused:

@@ -89,6 +89,7 @@ class Daemon(DaemonParts):
         handed over (checked whole by omnid.daemon.record before this runs), with its
         spawner, units, sockets and counters; serve until stopped; the exit code."""
         self._handle_signals()
+        closer.close_all(record.get("foreign_fds") or [])  # what the previous program had still to close
         sp = record["spawner"]
         self.spawner.adopt(sp["pid"], sp["pidfd"], sp["sock"], sp["start_time"], sp.get("exec_path"))
         self._open_notify(inherited=record["notify"])

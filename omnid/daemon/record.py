@@ -38,7 +38,7 @@ import json
 import os
 from typing import Any
 
-from omnid.base import testswitch
+from omnid.base import closer, testswitch
 from omnid.core.lifecycle import Cause, Goal, Phase, UnitState
 from omnid.base.jsonshape import (BOOL, COUNT, FD, INT, NUM, STR, DictOf, ListOf, Obj, OneOf, Opt, Record, ShapeError,
                              Str, Tuple)
@@ -134,7 +134,9 @@ RECORD = Obj({
     "supervisor": SUPERVISOR,
     "metrics": METRICS,
     "exec_at": NUM,  # time.monotonic() just before the exec (the same clock after it): times the handover
-}, optional={"cleanup": Opt(CLEANUP), "cluster": CLUSTER})
+}, optional={"cleanup": Opt(CLEANUP), "cluster": CLUSTER,
+             # fds from outside still waiting to be closed (omnid.base.closer): the next program closes them
+             "foreign_fds": ListOf(FD)})
 
 
 def check(record: Any, strict: bool = False) -> None:
@@ -184,6 +186,8 @@ def collect(daemon: Any, check: Any) -> tuple[dict[str, Any], list[int]]:
     if sup.crosshost is not None:  # [cluster]: the same lease, groups and heartbeat socket
         rec["cluster"] = sup.crosshost.handover()
         fds.append(rec["cluster"]["session"]["peers"]["fd"])
+    rec["foreign_fds"] = closer.take_waiting()  # put back by the caller if the exec fails
+    fds.extend(rec["foreign_fds"])
     fds.extend(sup.sockets.fds())  # units' listening sockets: never closed, so never refused
     fds.extend(sup.fdstore.fds())  # units' stored fds (omnid.process.fdstore)
     for rt in sup.units.values():

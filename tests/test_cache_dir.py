@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import re
 import signal
 import stat
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import make_stack, repo_pythonpath, temp_dir, wait_for
+from tests.harness import free_port, make_stack, repo_pythonpath, temp_dir, wait_for
 from omnid.model.units import check_stack
 
 ROOT = os.geteuid() == 0
@@ -98,8 +99,10 @@ def test_cache_dir_outlives_a_sigkill_while_the_private_tmp_goes(daemon_factory)
                                                'env = { TRITON_CACHE_DIR = "/opt/triton-of-my-own" }\n')},
                                   settings(root)))
     pid = d.wait_state("t", "active")["pid"]
-    env = env_of(pid)
     cache = str(root / "t")
+    # Its own file first: it has exec'd (its environment before that is the spawner's).
+    wait_for(lambda: os.path.exists(f"{cache}/made.{pid}"), 15, lambda: seen(d, "the unit's first file"))
+    env = env_of(pid)
     assert env["OMNID_CACHE_DIR"] == cache, env
     assert env["TORCHINDUCTOR_CACHE_DIR"] == f"{cache}/torchinductor" and env["VLLM_CACHE_ROOT"] == f"{cache}/vllm"
     assert env["TRITON_CACHE_DIR"] == "/opt/triton-of-my-own", "the unit's own env must win"
@@ -107,7 +110,6 @@ def test_cache_dir_outlives_a_sigkill_while_the_private_tmp_goes(daemon_factory)
     assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700, oct(st.st_mode)
     assert (st.st_uid, st.st_gid) == (nobody.pw_uid, nobody.pw_gid), (st.st_uid, st.st_gid)
     assert os.lstat(root).st_uid == 0
-    wait_for(lambda: os.path.exists(f"{cache}/made.{pid}"), 15, lambda: seen(d, "the unit's first file"))
     tmpdir = env["TMPDIR"]
     assert os.path.isdir(tmpdir) and not tmpdir.startswith(cache)
 
@@ -130,7 +132,10 @@ def test_instances_share_the_template_directory_and_a_name_chooses_another(daemo
     prog = script(CACHER, "cacher.py")
     d = daemon_factory(make_stack({"w": unit(prog, 'user = "nobody"\ncache_dir = true\ninstances = 2\n'),
                                    "v": unit(prog, 'user = "nobody"\ncache_dir = "engines"\n')}, settings(root)))
-    envs = {n: env_of(d.wait_state(n, "active")["pid"]) for n in ("w@0", "w@1", "v")}
+    pids = {n: d.wait_state(n, "active")["pid"] for n in ("w@0", "w@1", "v")}
+    made = lambda: sorted(p.name for p in root.glob("*/made.*"))  # noqa: E731
+    wait_for(lambda: len(made()) == 3, 15, lambda: seen(d, f"each unit's file (seen {made()})"))
+    envs = {n: env_of(pid) for n, pid in pids.items()}
     assert envs["w@0"]["OMNID_CACHE_DIR"] == envs["w@1"]["OMNID_CACHE_DIR"] == str(root / "w"), envs
     assert envs["v"]["OMNID_CACHE_DIR"] == str(root / "engines")
     assert sorted(os.listdir(root)) == ["engines", "w"]
@@ -198,5 +203,33 @@ def test_reload_and_reexec_keep_the_cache_dir_and_a_changed_one_restarts_the_uni
     d.ok("reload")
     pid2 = wait_for(lambda: (u := d.unit("t"))["state"] == "active" and u["pid"] != pid and u["pid"], 20,
                     lambda: seen(d, "the restart for the changed cache_dir"))
+    # Its own file in the new directory: it has exec'd, with the new directory in its environment.
+    wait_for(lambda: (root / "other" / f"made.{pid2}").exists(), 15, lambda: seen(d, "the restarted unit's file"))
     assert env_of(pid2)["OMNID_CACHE_DIR"] == str(root / "other")
     assert (cache / f"made.{pid}").exists() and os.lstat(cache).st_ino == ino
+
+
+@pytest.mark.skipif(not ROOT, reason="the cache root of a root daemon")
+def test_a_compiled_worker_restarted_finds_its_inductor_cache_while_private_tmp_goes(daemon_factory):
+    """The real thing: the demo worker with --compile (torch.compile before READY=1), private_tmp
+    on. Its second start loads the graph the first compiled (inductor says hit), from the unit's
+    cache directory, though its first TMPDIR is gone."""
+    pytest.importorskip("torch")
+    root = cache_root()
+    worker = ('exec = ["python3", "-m", "omnid.demo.worker", "--compile"]\nready = "notify"\nready_timeout = 600\n'
+              'stop_timeout = 10\nrestart = "no"\ncache_dir = true\n'
+              f'env = {{ OMNID_DEMO_DEVICE = "cpu", OMNID_DEMO_MODEL_MIB = "8", '
+              f'OMNID_DEMO_WORKER_PORT = "{free_port()}", TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS = "0" }}\n')
+    d = daemon_factory(make_stack({"w": worker}, settings(root)))
+    said = lambda: re.findall(r"compiled its step in [0-9.]+ s \(inductor's FX graph cache: (\d+) hit, (\d+) miss",
+                              d.log())  # noqa: E731
+    pid = d.wait_state("w", "active", timeout=600)["pid"]
+    tmp1 = env_of(pid)["TMPDIR"]
+    assert env_of(pid)["TORCHINDUCTOR_CACHE_DIR"] == str(root / "w" / "torchinductor")
+    d.ok("stop", {"units": ["w"]}, timeout=60)
+    assert not os.path.lexists(tmp1)
+    assert os.listdir(root / "w" / "torchinductor" / "fxgraph"), "nothing compiled into the cache directory"
+    d.ok("start", {"units": ["w"]}, timeout=600)
+    d.wait_state("w", "active", timeout=600)
+    wait_for(lambda: len(said()) == 2, 10, lambda: seen(d, "both compile lines"))
+    assert said() == [("0", "1"), ("1", "0")], said()

@@ -5,6 +5,11 @@ Run as ``python -m omnid.demo.worker``. It loads a "model" (a tensor of
 connects to the engine, announces ``READY=1`` over sd_notify, then executes
 generate jobs as a few hundred milliseconds of real matmuls each.
 
+With ``--compile`` (or ``OMNID_DEMO_COMPILE=1``; off by default) its step is
+``torch.compile``'d before READY=1, so that a start pays inductor's compile as
+a real engine's does, and a restart with a kept cache (omnid.unit(5)
+``cache_dir``) shows what the cache saves.
+
 One thread does everything — engine heartbeats, ``WATCHDOG=1`` pings and the
 tensor work, in small slices — so every liveness signal it gives is a proof
 that the work loop itself is turning: a SIGSTOPped or wedged worker goes
@@ -14,6 +19,7 @@ watchdog alike. Only this module of omnid imports torch.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import math
 import os
@@ -53,9 +59,10 @@ class WorkerConfig:
     threads: int
     watchdog_s: float
     request_mib: int = 256  # GPU memory a request needs (OMNID_DEMO_REQUEST_MIB)
+    compile: bool = False  # torch.compile the step before READY=1 (--compile, OMNID_DEMO_COMPILE=1)
 
     @classmethod
-    def from_env(cls) -> "WorkerConfig":
+    def from_env(cls, compile: bool = False) -> "WorkerConfig":
         device = protocol.env_str("OMNID_DEMO_DEVICE", "auto").lower()
         if device not in ("auto", "cpu", "cuda"):
             raise SystemExit(f"OMNID_DEMO_DEVICE={device!r}: expected auto, cpu or cuda")
@@ -71,6 +78,7 @@ class WorkerConfig:
             threads=protocol.env_int("OMNID_DEMO_THREADS", 1, 1),
             request_mib=protocol.env_int("OMNID_DEMO_REQUEST_MIB", 256),
             watchdog_s=interval / 3 if interval else 1.0,
+            compile=compile or protocol.env_str("OMNID_DEMO_COMPILE", "0") == "1",
         )
 
 
@@ -98,6 +106,18 @@ class Model:
         self.weights = torch.empty(elements, dtype=torch.float32, device=self.device).uniform_(-1.0, 1.0)
         self.matrix = self.weights[: self.dim * self.dim].view(self.dim, self.dim) * (2.0 / math.sqrt(self.dim))
         self.batch = 256 if self.device.type == "cuda" else 32
+        self._step: Any = _step
+        self.compile_s: float | None = None
+        self.cache_hits = self.cache_misses = 0
+        if config.compile:
+            compiling = time.monotonic()
+            self._step = torch.compile(_step, dynamic=False)
+            self._step(self._input("compile"), self.matrix)  # the compile (or the cache's load) happens here
+            self.compile_s = time.monotonic() - compiling
+            from torch._dynamo.utils import counters  # what inductor's FX graph cache said
+
+            self.cache_hits = counters["inductor"]["fxgraph_cache_hit"]
+            self.cache_misses = counters["inductor"]["fxgraph_cache_miss"]
         self._run_slice(self._input("warm-up"), deadline=time.monotonic() + 0.05)  # first-call costs (cuBLAS init)
         self.load_s = time.monotonic() - started
         self.mib = elements * 4 / (1 << 20)
@@ -130,7 +150,7 @@ class Model:
     def _run_slice(self, x: torch.Tensor, deadline: float) -> tuple[torch.Tensor, int]:
         steps = 0
         while True:
-            x = torch.tanh(x @ self.matrix)
+            x = self._step(x, self.matrix)
             steps += 1
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the slice must measure real work, not queued launches
@@ -141,6 +161,10 @@ class Model:
         checksum = float(job.state.sum())
         return (f"{job.prompt} -> {job.steps} matmuls {self.batch}x{self.dim}x{self.dim} "
                 f"on {self.device.type}, checksum {checksum:.4f}")
+
+
+def _step(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ matrix)
 
 
 def _pick_device(preference: str) -> torch.device:
@@ -233,6 +257,10 @@ def run(config: WorkerConfig) -> int:
     log.info("%s loading %d MiB (device preference %s)", config.unit, config.model_mib, config.device)
     model = Model(config)
     log.info("%s loaded %.0f MiB on %s in %.2f s", config.unit, model.mib, model.device, model.load_s)
+    if model.compile_s is not None:
+        log.info("%s compiled its step in %.2f s (inductor's FX graph cache: %d hit, %d miss; "
+                 "TORCHINDUCTOR_CACHE_DIR=%s)", config.unit, model.compile_s, model.cache_hits, model.cache_misses,
+                 os.environ.get("TORCHINDUCTOR_CACHE_DIR", "unset: under TMPDIR"))
     link = EngineLink(config.engine, stop.wakeup_fd)
     if stop:  # told to stop while loading: leave without claiming readiness
         link.close(linger_s=0)
@@ -350,7 +378,11 @@ def _handle(message: dict[str, Any], job: Job | None, model: Model, link: Engine
 
 
 def main() -> None:
-    status = run(WorkerConfig.from_env())
+    parser = argparse.ArgumentParser(prog="python -m omnid.demo.worker", description="omnid's reference worker")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the step before READY=1 (also OMNID_DEMO_COMPILE=1)")
+    args = parser.parse_args()
+    status = run(WorkerConfig.from_env(compile=args.compile))
     # Sockets are closed and the engine told; what is left is the interpreter's teardown, which
     # with torch loaded takes ~0.5 s and frees nothing the kernel would not free at exit anyway.
     protocol.exit_process(status)

@@ -11,7 +11,7 @@ import sys
 
 # What the value of an option completes to, by the option's dest: directories, files.
 _DIRS = {"units", "state_dir", "cgroup_root", "directory"}
-_FILES = {"log_file", "control"}
+_FILES = {"log_file", "control", "python"}
 _SIGNALS = ("SIGTERM", "SIGINT", "SIGKILL", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCONT", "SIGSTOP")
 _UNIT_ARGS = {"unit_names", "unit"}  # positional arguments that are unit names
 
@@ -57,6 +57,8 @@ def model(parser: argparse.ArgumentParser) -> dict:
                 if a.nargs != 0 and a.help is not argparse.SUPPRESS:
                     for o in a.option_strings:
                         values[o] = _value_kind(a)
+            elif positional:
+                continue  # the first positional completes (`omnid example` -> vllm); DIR is typed
             elif a.dest in _UNIT_ARGS:
                 positional = "units"
             elif a.choices:

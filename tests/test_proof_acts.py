@@ -106,6 +106,49 @@ def test_a_socket_file_replaced_under_a_held_socket_is_left_at_close(tmp_path):
     assert os.lstat(path).st_ino == ino, "a socket file omnid did not bind was removed at close"
 
 
+def _inherit(old, state: Path, unit: Unit):
+    """What `omnid reexec` does with a held socket: the next program gets the fd and the
+    handover's line, and the state directory (here without a record: an older program's)."""
+    from omnid.process.sockets import HeldSockets
+
+    ho = old.handover()
+    for items in ho.values():
+        for it in items:
+            it["fd"] = os.dup(it["fd"])
+    for held in old.units.values():
+        for h in held:
+            h.sock.close()  # the old program's copy, closed without a word: it exec'd
+    new = HeldSockets(state)
+    new.take_over(ho, {unit.name: unit})
+    return new
+
+
+@pytest.mark.fast
+def test_a_socket_inherited_without_a_record_is_proven_by_the_kernel(tmp_path):
+    """An upgrade by `omnid reexec` from a program that kept no record: the kernel says which
+    file the inherited socket was bound to (sock_diag), so the new program proves it and
+    removes it at close; a file another program put at the path meanwhile is left."""
+    from omnid.process.sockets import HeldSockets
+
+    state = tmp_path / "state"
+    state.mkdir()
+    ours, theirs = tmp_path / "ours.sock", tmp_path / "theirs.sock"
+    old = HeldSockets()
+    old.fds_for(_unit(tmp_path, ours))
+    new = _inherit(old, state, _unit(tmp_path, ours))
+    assert str(ours) in (state / "sockets.json").read_text()
+    new.close_all()
+    assert not ours.exists(), "the inherited socket's own file was left"
+
+    old = HeldSockets()
+    old.fds_for(_unit(tmp_path, theirs))
+    theirs.unlink()
+    ino = _stranger_socket(theirs)  # another program's file at the path, the held socket still bound
+    new = _inherit(old, state, _unit(tmp_path, theirs))
+    new.close_all()
+    assert os.lstat(theirs).st_ino == ino, "a file the held socket was not bound to was removed"
+
+
 @pytest.mark.fast
 def test_unit_socket_verdicts_by_hand(tmp_path):
     path = tmp_path / "s.sock"

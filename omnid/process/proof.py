@@ -24,7 +24,8 @@ pidfd kept open from the proof to the signal, a walk's dir_fd, a socket's O_PATH
 |                       | cgroup (cgroup.events), not the daemon's leaf       | daemon's own leaf                  |
 | private tmp directory | `tmp_dir`: device, inode, owner recorded at mkdir   | an unrecorded or replaced one      |
 | unit socket file      | `unit_socket`: device, inode, change time recorded  | another program's socket, even     |
-|                       | at the bind; `bound_now` for its mode and owner     | with nothing listening             |
+|                       | at the bind; `bound_now` for its mode and owner;    | with nothing listening             |
+|                       | inherited, unrecorded: `bound_by` (sock_diag)       |                                    |
 | the daemon's files    | `daemon_file`: in its checked own directory, its    | a link; another user's file        |
 |                       | user's, no link                                     |                                    |
 | System V segment      | the kernel's creator pid (cpid) is one of the       | a segment someone is attached to;  |
@@ -381,6 +382,19 @@ def bound_now(path: str, st: os.stat_result, euid: int) -> Verdict:
     if st.st_uid != euid:
         return _no(f"{path} is owned by uid {st.st_uid}, not the daemon's {euid}")
     return _yes(f"{path} is the socket the daemon just bound")
+
+
+def bound_by(path: str, st: os.stat_result, bound: tuple[int, int] | None) -> Verdict:
+    """A socket omnid holds (inherited across a re-exec with no record of its file): the file at
+    its listen path is its own when the kernel's record of the socket (sock_diag UNIX_DIAG_VFS:
+    the device and inode, low 32 bits, it was bound to) names that file."""
+    if not stat.S_ISSOCK(st.st_mode):
+        return _no(f"{path} is not a socket")
+    if bound is None:
+        return _no(f"the kernel did not say which file the held socket was bound to ({path})")
+    if (st.st_dev, st.st_ino & 0xFFFFFFFF) != bound:
+        return _no(f"{path} is not the file the held socket was bound to (replaced)")
+    return _yes(f"{path} is the file the socket omnid holds was bound to")
 
 
 def daemon_file(path: str, st: os.stat_result, uids: Container[int]) -> Verdict:

@@ -36,6 +36,7 @@ import os
 import secrets
 import socket
 import stat
+import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -346,7 +347,9 @@ class HeldSockets:
                 sock.setblocking(False)
                 spec = ListenSocket(listen=str(it["listen"]), name="", backlog=int(it["backlog"]),
                                     mode=int(it["mode"]), reuseport=bool(it["reuseport"]))
-                made = self.record.made.get(spec.listen) if spec.unix else None
+                made = (self.record.made.get(spec.listen) or _adopt(spec.listen, sock)) if spec.unix else None
+                if made is not None and self.record.made.get(spec.listen) != made:
+                    self.record.add(spec.listen, made)
                 by_fd[fd] = Held(spec, sock, tuple(int(x) for x in it["owner"]), made)
                 self.units.setdefault(name, []).append(by_fd[fd])
         self.keep_only(units.values())
@@ -374,6 +377,58 @@ def probe(unit: Unit) -> list[tuple[int, str]]:
         if spec.unix and made is not None:
             _remove_made(spec.listen, made)  # the file this probe just bound
     return problems
+
+
+def _adopt(path: str, sock: socket.socket) -> MadeSocket | None:
+    """An inherited socket no record names (the previous program kept none: an upgrade by
+    `omnid reexec`): its file, if the kernel says that file is the one this socket was bound
+    to (omnid.process.proof.bound_by), as the record would have had it; else None (the file
+    is then never removed)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    verdict = proof.bound_by(path, st, _bound_file(sock))
+    if not verdict:
+        log.warning("an inherited socket's file is not proven omnid's; it will not be removed", path=path,
+                    why=verdict.reason)
+        return None
+    return MadeSocket(st.st_dev, st.st_ino, st.st_ctime_ns)
+
+
+NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY, UDIAG_SHOW_VFS, UNIX_DIAG_VFS = 4, 20, 0x2, 1
+NLM_F_REQUEST, NLMSG_ERROR = 0x1, 0x2
+
+
+def _bound_file(sock: socket.socket) -> tuple[int, int] | None:
+    """(device, inode) of the file a bound Unix socket was bound to, as the kernel keeps it
+    (sock_diag, UNIX_DIAG_VFS; the inode's low 32 bits), or None when it does not say."""
+    try:
+        ino = os.fstat(sock.fileno()).st_ino  # the socket's own inode (sockfs): how sock_diag names it
+        req = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, 0xFFFFFFFF, ino & 0xFFFFFFFF, UDIAG_SHOW_VFS,
+                          0xFFFFFFFF, 0xFFFFFFFF)
+        msg = struct.pack("=IHHII", 16 + len(req), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, 1, 0) + req
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG) as nl:
+            nl.settimeout(1.0)  # the kernel answers at once; a bound, never a hang
+            nl.sendto(msg, (0, 0))
+            data = nl.recv(65536)
+    except OSError:
+        return None
+    if len(data) < 32:
+        return None
+    length, kind = struct.unpack_from("=IH", data, 0)
+    if kind == NLMSG_ERROR:
+        return None
+    off = 16 + 16  # nlmsghdr, unix_diag_msg
+    while off + 4 <= min(length, len(data)):
+        alen, atype = struct.unpack_from("=HH", data, off)
+        if alen < 4:
+            return None
+        if atype == UNIX_DIAG_VFS and alen >= 12:
+            vfs_ino, kdev = struct.unpack_from("=II", data, off + 4)
+            return os.makedev(kdev >> 20, kdev & 0xFFFFF), vfs_ino  # the kernel's dev_t, as stat gives it
+        off += (alen + 3) & ~3
+    return None
 
 
 class SocketRecord:

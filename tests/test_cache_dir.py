@@ -80,6 +80,7 @@ def seen(d, what: str) -> str:
     return f"{what} (units: {json.dumps(d.units())}\nlog:\n{d.log()[-3000:]})"
 
 
+@pytest.mark.fast
 def test_cache_dir_keys_are_checked():
     """Never a path: a unit file that could name a directory would have a root daemon chown it."""
     for bad in ("/etc", "../etc", "a/b", "", ".hidden", 3):
@@ -88,6 +89,20 @@ def test_cache_dir_keys_are_checked():
     assert check_stack(make_stack({"t": 'exec = ["true"]\ncache_dir = "vllm-0.32"\n'})) == ()
     (error,) = check_stack(make_stack({"t": 'exec = ["true"]\nenv = { OMNID_CACHE_DIR = "/x" }\n'}))
     assert error.key == "env.OMNID_CACHE_DIR" and "set by omnid" in error.message, error
+
+
+@pytest.mark.fast
+def test_the_default_cache_root_is_systemds_place(monkeypatch):
+    from omnid.model import settings as settings_mod
+
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert settings_mod.default_cache_root() == "/var/cache/omnid"
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setenv("XDG_CACHE_HOME", "/home/u/.xdg-cache")
+    assert settings_mod.default_cache_root() == "/home/u/.xdg-cache/omnid"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", "/home/u")
+    assert settings_mod.default_cache_root() == "/home/u/.cache/omnid"
 
 
 @pytest.mark.skipif(not ROOT, reason="a unit of another user (nobody) needs a root daemon")

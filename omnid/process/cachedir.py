@@ -33,9 +33,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from omnid.base.ownership import UnsafePath, open_directory, owner_name
 from omnid.base.ownthreads import Busy, OwnThreads
 from omnid.model.settings import default_cache_root
+
+log = structlog.get_logger("omnid.process.cachedir")
 
 ENV_KEY = "OMNID_CACHE_DIR"
 # The caches a restart would otherwise build again, each in a directory of its own below the
@@ -153,6 +157,11 @@ def prepare(root: str, name: str, uid: int | None, gid: int | None) -> CacheDir:
                 os.fchmod(fd, MODE)
             st = os.fstat(fd)
         except OSError as exc:
+            if made:  # not left behind owned by the daemon, where the next spawn would refuse it
+                try:
+                    os.rmdir(name, dir_fd=rfd)
+                except OSError:
+                    pass
             raise CacheDirRefused(f"cache_dir {path}: cannot give it to {owner_name(owner)} "
                                   f"({exc.strerror})") from None
         finally:
@@ -204,4 +213,6 @@ class UnitCaches:
                                       "(a mount that does not answer?)") from None
             except Busy as exc:
                 raise CacheDirRefused(f"cache_dir: {exc}") from None
+        if d.made:
+            log.info("cache directory made", unit=spec.name, path=d.path, uid=d.uid, mode=f"{d.mode:04o}")
         return environment(d.path, spec.env)

@@ -263,10 +263,10 @@ def test_fm40_api_server_sigkill_twice_refuses_no_connection(engine, daemon_fact
 
 
 @pytest.mark.parametrize("backend", ["pgroup"])
-@pytest.mark.parametrize("instances", [pytest.param(2, marks=pytest.mark.xfail(strict=False, reason=(
+@pytest.mark.parametrize("instances", [pytest.param(2, marks=pytest.mark.xfail(strict=False, run=False, reason=(
     "the killed instance's restart hung after its EngineCore's OpenMP binding (no Worker spawned, not ready "
     "in 480 s) in 2 of 3 runs on a loaded 2-core VM, while every request after the kill was answered; "
-    "cause not found yet"))), pytest.param(1, marks=pytest.mark.skipif(
+    "cause not found yet; not run: each try waits out the 480 s bound"))), pytest.param(1, marks=pytest.mark.skipif(
     os.environ.get("OMNID_ENGINE_ALL_FAULTS") != "1",
     reason="the one-instance figure (requests wait out the restart in the backlog): OMNID_ENGINE_ALL_FAULTS=1"))])
 def test_fm40_enginecore_sigkill_on_one_held_socket_fails_no_request_after_it(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,22 +90,7 @@ class StateFile:
         self.path = self.dir / "state.json"
 
     def write(self, record: dict) -> None:
-        data = json.dumps(record).encode()
-        tmp = self.dir / f".state.{os.getpid()}.{secrets.token_hex(6)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:  # made by this call (O_EXCL) in the state directory, which only the daemon writes
-                if proof.daemon_file(str(tmp), os.lstat(tmp), (os.geteuid(),)):
-                    os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        proof.replace_daemon_file(self.path, json.dumps(record).encode())
 
     def read(self) -> PreviousState | None:
         try:

@@ -249,20 +249,10 @@ class Record:
 
     def _write(self) -> None:
         data = json.dumps([d.to_json() for d in self.dirs.values()]).encode()
-        tmp = self.path.with_name(f".{RECORD_NAME}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
+            proof.replace_daemon_file(self.path, data)
         except OSError as exc:
             log.error("cannot write the private tmp record", path=str(self.path), error=str(exc))
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
     def previous(self) -> list[TmpDir]:
         """What a previous daemon recorded (untrusted: a regular file of ours, size-capped)."""

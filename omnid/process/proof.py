@@ -53,9 +53,11 @@ from __future__ import annotations
 
 import enum
 import os
+import secrets
 import stat
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 CLOCK_SLACK_S = 2.0  # wall clock (an object's ctime) against the spawn time
 NOBODY_UIDS = frozenset({65534, 65535, 0xFFFFFFFF})  # shared by many services: never a user of its own
@@ -406,3 +408,27 @@ def daemon_file(path: str, st: os.stat_result, uids: Container[int]) -> Verdict:
     if st.st_uid not in uids:
         return _no(f"{path} is owned by uid {st.st_uid}, not the daemon's")
     return _yes(f"{path} is the daemon's, in its own directory")
+
+
+def replace_daemon_file(path: Path, data: bytes) -> None:
+    """Put `data` at `path`, in the daemon's own directory, through a fresh temporary file beside
+    it (O_EXCL|O_NOFOLLOW, 0600: never another's file, never through a link) and a rename, so a
+    reader never sees half a record. On failure the temporary file goes (it is this call's,
+    `daemon_file`) and the error is raised."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            if daemon_file(str(tmp), os.lstat(tmp), (os.geteuid(),)):
+                os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -33,7 +33,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import secrets
 import socket
 import stat
 import struct
@@ -455,21 +454,10 @@ class SocketRecord:
         if self.path is None:
             return
         data = json.dumps({k: [m.dev, m.ino, m.ctime_ns] for k, m in self.made.items()}).encode()
-        tmp = self.path.with_name(f".{RECORD_NAME}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
+            proof.replace_daemon_file(self.path, data)
         except OSError as exc:
             log.error("cannot write the unit sockets record", path=str(self.path), error=str(exc))
-            try:  # made by this call (O_EXCL) in the state directory
-                if proof.daemon_file(str(tmp), os.lstat(tmp), (os.geteuid(),)):
-                    os.unlink(tmp)
-            except OSError:
-                pass
 
     def _read(self) -> dict[str, MadeSocket]:
         """What a previous program recorded (untrusted: a small regular file of ours)."""

@@ -94,8 +94,8 @@ def open_root(root: str) -> tuple[int, str]:
         while existing != "/" and not os.path.lexists(existing):
             existing, leaf = os.path.split(existing)
             missing.insert(0, leaf)
-        if not missing:
-            raise
+        if not missing:  # it is there: unsafe (the same refusal again), or made meanwhile by another spawn
+            return open_directory(root, "cache root")
     fd, _ = open_directory(existing, "cache root")
     try:
         for part in missing:

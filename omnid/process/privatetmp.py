@@ -20,7 +20,6 @@ import json
 import os
 import re
 import secrets
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -257,20 +256,15 @@ class Record:
     def previous(self) -> list[TmpDir]:
         """What a previous daemon recorded (untrusted: a regular file of ours, size-capped)."""
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except FileNotFoundError:
-            return []
+            raw = proof.read_daemon_file(self.path, MAX_RECORD_BYTES)
         except OSError as exc:
             log.warning("private tmp record unreadable; ignoring it", path=str(self.path), error=str(exc))
             return []
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES or st.st_uid != os.geteuid():
-                log.warning("private tmp record is not a small file of ours; ignoring it", path=str(self.path))
-                return []
-            raw = os.read(fd, MAX_RECORD_BYTES + 1)
-        finally:
-            os.close(fd)
+        except ValueError:
+            log.warning("private tmp record is not a small file of ours; ignoring it", path=str(self.path))
+            return []
+        if raw is None:
+            return []
         try:
             data = json.loads(raw)
         except ValueError:

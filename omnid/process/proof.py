@@ -410,6 +410,23 @@ def daemon_file(path: str, st: os.stat_result, uids: Container[int]) -> Verdict:
     return _yes(f"{path} is the daemon's, in its own directory")
 
 
+def read_daemon_file(path: Path, limit: int) -> bytes | None:
+    """What the daemon wrote at `path` in its own directory, None when nothing is there; read
+    with O_NOFOLLOW and trusted only as a regular file of the daemon's user of at most `limit`
+    bytes. OSError: unreadable; ValueError: not a small file of the daemon's."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit or st.st_uid != os.geteuid():
+            raise ValueError(f"{path} is not a small file of the daemon's")
+        return os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+
+
 def replace_daemon_file(path: Path, data: bytes) -> None:
     """Put `data` at `path`, in the daemon's own directory, through a fresh temporary file beside
     it (O_EXCL|O_NOFOLLOW, 0600: never another's file, never through a link) and a rename, so a

@@ -464,20 +464,15 @@ class SocketRecord:
         if self.path is None:
             return {}
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except FileNotFoundError:
-            return {}
+            raw = proof.read_daemon_file(self.path, MAX_RECORD_BYTES)
         except OSError as exc:
             log.warning("unit sockets record unreadable; ignoring it", path=str(self.path), error=str(exc))
             return {}
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD_BYTES or st.st_uid != os.geteuid():
-                log.warning("unit sockets record is not a small file of ours; ignoring it", path=str(self.path))
-                return {}
-            raw = os.read(fd, MAX_RECORD_BYTES + 1)
-        finally:
-            os.close(fd)
+        except ValueError:
+            log.warning("unit sockets record is not a small file of ours; ignoring it", path=str(self.path))
+            return {}
+        if raw is None:
+            return {}
         try:
             data = json.loads(raw)
         except ValueError:

@@ -141,6 +141,9 @@ def vllm_unit(s: VllmStack, adapter: str | Path | None = None) -> str:
                 "# (an instance whose EngineCore dies stops accepting at once; the others take every new",
                 "# connection while it restarts), and each has its own probe address, %i being its number",
                 f"# ({probe_port(s.port, 0)}, {probe_port(s.port, 1)}, ...), so that omnid asks that instance and no other.",
+                "# On vLLM's CPU build the launcher runs each instance on its own block of this host's CPUs",
+                "# (vLLM binds every instance's Worker to core 0: a restarting instance would load on the",
+                "# core the others serve on); VLLM_CPU_OMP_THREADS_BIND in `env` places them yourself.",
                 f"instances = {s.instances}",
                 f'sockets = [{{ listen = "127.0.0.1:{s.port}", name = "http" }}, '
                 f'{{ listen = "{probe_listen(s.port)}", name = "probe" }}]',

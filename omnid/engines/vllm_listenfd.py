@@ -101,6 +101,52 @@ def serve_every_socket(extra: list[socket.socket]) -> None:
     uvicorn.Server.startup = startup_all
 
 
+def instance_cpus(allowed: set[int], instance: int, instances: int) -> set[int]:
+    """Instance `instance` of `instances`: its block of the CPUs, in order, the blocks as even
+    as they divide (5 CPUs, 2 instances: 0-2 and 3-4); fewer CPUs than instances: one each, in turn."""
+    cpus = sorted(allowed)
+    if len(cpus) < instances:
+        return {cpus[instance % len(cpus)]}
+    share, more = divmod(len(cpus), instances)
+    start = instance * share + min(instance, more)
+    return set(cpus[start:start + share + (instance < more)])
+
+
+def one_cpu_block_per_instance(environ: dict[str, str] = os.environ) -> str | None:
+    """vLLM's CPU build binds its Worker's OpenMP threads, and with them the whole Worker, to
+    the first core(s) it may use (VLLM_CPU_OMP_THREADS_BIND=auto; the last one is left to
+    EngineCore): N instances of one unit all compute on core 0. The Worker of an instance
+    that restarts then imports torch and loads its weights on the core the survivors' Workers
+    serve on (measured on this project's 2-core VM: the restart of a killed instance's tree
+    took 5 min beside a serving one, past 480 s in 2 of 3 runs; its other core half idle).
+    Instance i of N (omnid's OMNID_INSTANCE, OMNID_INSTANCES) runs on the i-th of N blocks of
+    the CPUs it was given, set on itself before vLLM starts and inherited by EngineCore and
+    Worker, whose auto binding then chooses within the block: one instance's start, load or
+    hang takes no CPU from another. Not on a GPU (vLLM's CPU binding is the CPU build's
+    alone), nor when VLLM_CPU_OMP_THREADS_BIND says anything but auto (the user placed it).
+    What was set, for the log, or None."""
+    try:
+        instance, instances = int(environ.get("OMNID_INSTANCE", "0")), int(environ.get("OMNID_INSTANCES", "1"))
+    except ValueError:
+        return None
+    if instances < 2 or not 0 <= instance < instances or environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return None
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    allowed = os.sched_getaffinity(0)
+    mine = instance_cpus(allowed, instance, instances)
+    for tid in os.listdir("/proc/self/task"):  # the threads vLLM's imports started too
+        try:
+            os.sched_setaffinity(int(tid), mine)
+        except ProcessLookupError:
+            pass  # ended meanwhile
+    return (f"instance {instance} of {instances} runs on CPUs {','.join(map(str, sorted(mine)))} of "
+            f"{','.join(map(str, sorted(allowed)))} (vLLM's CPU build binds every instance's Worker to the same "
+            "cores otherwise; VLLM_CPU_OMP_THREADS_BIND set to a list turns this off)")
+
+
 def listen_address(sock: socket.socket, ssl: bool) -> tuple[str, str | None, int | None]:
     """What vLLM logs and puts in its config: (address, host, port)."""
     if sock.family == socket.AF_UNIX:
@@ -158,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    placed = one_cpu_block_per_instance()
+    if placed:
+        print(f"vllm_listenfd: {placed}", file=sys.stderr, flush=True)
     cli_env_setup()
     parser = make_arg_parser(FlexibleArgumentParser(description="vLLM's OpenAI API server on a passed socket"))
     args = parser.parse_args(argv)

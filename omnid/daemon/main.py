@@ -167,6 +167,7 @@ class Daemon(DaemonParts):
         sup = self.sup  # `cache_root` of the stack loaded now: a reload may change it
         self.cleanup = UnitCleanup(self.token, self.cfg.state_dir, cache_root=lambda: sup.stack.settings.cache_root)
         self.sup.executor.cleanup = self.cleanup
+        self.spawner.before_send = self.cleanup.flush_record  # one record write per batch of spawns
         self.cleanup.start()
 
     async def _open_cluster(self, record: dict | None) -> None:

@@ -58,6 +58,8 @@ async def stop_daemon(daemon: DaemonParts, startup_task: asyncio.Task | None) ->
         except asyncio.TimeoutError:
             pass
     t0 = time.monotonic()
+    if daemon.cleanup is not None:  # every unit goes: their leftovers in batches, off the loop
+        daemon.cleanup.batched = True
     recs = await _stop_units_bounded(daemon)
     if daemon.cleanup is not None:  # removals of failed units' leftovers still under way
         await daemon.cleanup.settle()

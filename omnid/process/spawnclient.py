@@ -85,6 +85,9 @@ class SpawnerClient:
         self._flush_scheduled = False
         self._writer = False  # waiting for room in the socket buffer
         self._hello_timer: asyncio.TimerHandle | None = None
+        # Called before spawn requests leave: what their children may use is on disk first
+        # (the private tmp record, written once for a batch: omnid.core.cleanup).
+        self.before_send: Callable[[], None] | None = None
 
     def launch(self, started: SpawnerProcess | None = None) -> None:
         """Start the spawner by exec (or take over one `omnid.spawnstart.launch` started).
@@ -291,6 +294,8 @@ class SpawnerClient:
                 log.error("cannot ask the spawner to kill an unowned child", pid=self._kills[0], error=str(exc))
             del self._kills[0]
         if self._queue and self.sock is not None and not self._closed:
+            if self.before_send is not None:
+                self.before_send()
             for data, fds, taken in batch_datagrams(self._queue):
                 try:
                     socket.send_fds(self.sock, [data], fds)

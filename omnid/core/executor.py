@@ -98,6 +98,9 @@ class Executor:
         self.drains: Drains | None = None
         self.faults: Faults | None = None  # the test-only injection hook, never set in production
         self.cleanup: UnitCleanup | None = None  # private tmp and IPC residue, when the daemon runs
+        # Units whose spawn is asked for and whose request is not with the spawner client yet
+        # (the daemon's start waits for the first tier's before its heavy imports).
+        self.unsent: set[str] = set()
 
     def of(self, rt: UnitRuntime) -> Works:
         w = self.works.get(rt.name)
@@ -177,9 +180,16 @@ class Executor:
     def _spawn(self, rt: UnitRuntime, a: Spawn, ctx: Ctx) -> None:
         w = self.of(rt)
         w.term = None
+        self.unsent.add(rt.name)
         self.run_for(rt, "spawn", self._spawn_task(rt, w.start_reason))
 
     async def _spawn_task(self, rt: UnitRuntime, reason: str) -> None:
+        try:
+            await self._spawn_prepared(rt, reason)
+        finally:
+            self.unsent.discard(rt.name)
+
+    async def _spawn_prepared(self, rt: UnitRuntime, reason: str) -> None:
         sup, spec = self.sup, rt.spec
         refusal = spawning.gpu_refusal(spec, sup.gpu)
         if refusal is None and spec.gpus and sup.gpu_on():
@@ -232,8 +242,9 @@ class Executor:
             sup.feed(rt, E.SPAWN_FAILED, str(exc))
             return
         try:
-            sp = await asyncio.wait_for(sup.spawner.spawn(prep.request, prep.out_w, prep.err_w),
-                                        SPAWN_REPLY_TIMEOUT_S)
+            asked = sup.spawner.ask(prep.request, prep.out_w, prep.err_w)  # queued now, sent soon
+            self.unsent.discard(rt.name)
+            sp = await asyncio.wait_for(asked, SPAWN_REPLY_TIMEOUT_S)
         except (SpawnError, asyncio.TimeoutError) as exc:
             prep.close_read_ends()
             self._cgroup_done(rt)
@@ -374,7 +385,13 @@ class Executor:
         term = self._termination(rt, ctx)
         from omnid.forensics import capture as forensics
 
-        members = forensics.member_list(rt.proc.pid, rt.proc.start_time, term.target.members())
+        others = [s for s in term.target.members() if s.pid != rt.proc.pid]
+        if not a.feed and not others and rt.proc.exited.is_set():
+            # Capture due in a stop whose processes have all exited, the kernel's proof (GONE)
+            # not read yet (a loop behind on a loaded host, 256 units stopping): nothing to
+            # capture, and a capture's /proc reads and its file would slow every other stop.
+            return
+        members = forensics.member_list(rt.proc.pid, rt.proc.start_time, others)
         why = ctx.detail or rt.stop_reason or "stop_timeout is near"
         self.run_for(rt, "capture" if a.feed else "capture-beside",
                      self._capture_task(rt, epoch, members, why, a.feed, self.captures))

@@ -59,6 +59,10 @@ from omnid.model.units import Stack
 
 log = structlog.get_logger("omnid.daemon.main")
 
+# At most this many turns of the loop wait for the first tier's spawn requests to be sent
+# (a spawn waiting on a thread, a cache_dir being made, takes more turns: it goes on alone).
+FIRST_TIER_TURNS = 64
+
 
 class Daemon(DaemonParts):
     def __init__(self, cfg: DaemonConfig, stack: Stack, service: ServiceNotifier | None = None) -> None:
@@ -185,10 +189,16 @@ class Daemon(DaemonParts):
     async def _start_first_tier(self) -> None:
         assert self.sup is not None and self.cleanup is not None
         self.sup.kick()
-        # Three turns of the loop (converge, the spawns, the spawner client's send): the
-        # first tier's requests are out before anything below is imported.
-        for _ in range(3):
+        # Turns of the loop until the first tier's requests are out (the converge, each spawn's
+        # preparation, a private TMPDIR's record among them, its request, the spawner client's
+        # send): nothing below is imported before. Three fixed turns were too few for a unit
+        # with a private TMPDIR: its spawn went out after the imports (~35 ms later here).
+        quiet = 0
+        for _ in range(FIRST_TIER_TURNS):
             await asyncio.sleep(0)
+            quiet = 0 if self.sup.executor.unsent else quiet + 1
+            if quiet >= 3 and not self.spawner.queued:  # the last one asked, then sent
+                break
         report_crash(asyncio.get_running_loop().create_task(self.cleanup.sweep_previous()), "private tmp sweep")
 
     def _bring_up_the_rest(self) -> None:

@@ -245,6 +245,11 @@ class SpawnerClient:
         """Spawn one unit process; out_w becomes its stdout, err_w its stderr (out_w when None).
         The caller keeps its fds open until this returns (they are sent at the end of this turn
         of the loop, with the other spawns asked for in it; see the module docstring)."""
+        return await self.ask(req, out_w, err_w)
+
+    def ask(self, req: SpawnRequest, out_w: int, err_w: int | None = None) -> asyncio.Future[Spawned]:
+        """`spawn`, queued now (no turn of the loop in between): the answer's future. Cancelling
+        it takes the request back while it is not sent (the caller may then close its fds)."""
         if self._closed or self.sock is None:
             raise SpawnError("spawner is not running")
         rid = next(self._ids)
@@ -259,22 +264,30 @@ class SpawnerClient:
         queued = QueuedSpawn(rid, wire, env, [out_w] if err_w is None else [out_w, err_w])
         queued.fds.extend(req.listen_fds)  # after stdio: the spawner counts them from the end
         self._queue.append(queued)
-        if len(self._queue) >= PIPELINE_SPAWNS and not self._writer:
+
+        def taken_back(f: asyncio.Future) -> None:
+            # The caller's fds travel by reference until sent: a caller that gives up first
+            # (and closes them) takes its request back; once sent, the kernel holds copies.
+            if f.cancelled() and queued in self._queue:
+                self._queue.remove(queued)
+                self._pending.pop(rid, None)
+
+        fut.add_done_callback(taken_back)
+        if (len(self._queue) >= PIPELINE_SPAWNS or len(self._pending) == 1) and not self._writer:
             # A big tier goes out in parts as it is built: the spawner starts the first
             # children while this loop builds the next requests (two CPUs at work, not one).
+            # A spawn while the spawner has nothing to do goes at once: the first of a tier is
+            # not held back by its 31 next units' preparation (nor a restart by a turn).
             self._flush()
         elif not self._flush_scheduled and not self._writer:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            # The caller's fds travel by reference until sent: a caller that gives up first
-            # (and closes them) takes its request back; once sent, the kernel holds copies.
-            if queued in self._queue:
-                self._queue.remove(queued)
-                self._pending.pop(rid, None)
-            raise
+        return fut
+
+    @property
+    def queued(self) -> int:
+        """Spawn requests asked for and not sent yet."""
+        return len(self._queue)
 
     def _flush(self) -> None:
         """Send what this turn of the loop queued; on a full socket buffer, the rest waits

@@ -133,6 +133,37 @@ def fast_tier_starts_no_daemon(request: pytest.FixtureRequest, monkeypatch: pyte
     monkeypatch.setattr(spawnstart, "launch", refusing("a spawner (a supervisor in-process)"))
 
 
+# The modules whose tests take longest (real vLLM restarts, the failure matrix's stacks, hosts
+# made of network namespaces) go first: under xdist (`-n N --dist loadgroup`) a worker takes
+# the next test when it is nearly idle, so a long one taken last would be the whole run's tail.
+# Each module keeps its own order (module-scoped stacks rely on it).
+FIRST = ("test_engine_vllm.py", "test_engine_vllm_socket.py", "failure_matrix/test_matrix.py",
+         "test_cluster_e2e.py", "test_cluster.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return next((i for i, tail in enumerate(FIRST) if path.endswith(tail)), len(FIRST))
+
+    items.sort(key=rank)  # stable: the order inside each module is kept
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Figures a test reported (user property "figures": real vLLM's timings per row), shown at
+    the end of the run, also when xdist workers ran the tests (their reports carry them)."""
+    lines: dict[tuple[str, str], None] = {}  # in the order reported; a teardown's report repeats the call's
+    for reports in terminalreporter.stats.values():
+        for rep in reports:
+            for k, v in getattr(rep, "user_properties", ()):
+                if k == "figures":
+                    lines[(rep.nodeid.split("::", 1)[0], v)] = None
+    if lines:
+        terminalreporter.section("figures the tests measured")
+        for path, text in lines:
+            terminalreporter.write_line(f"{path}: {text}")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failing test shows what its daemons said: the tail of each one's log, so that a

@@ -85,6 +85,33 @@ _EPHEMERAL_LOW = _ephemeral_low()
 _handed_out: set[int] = set()
 
 
+def unit_environ(pid: int, timeout: float = 30) -> dict[str, str]:
+    """A unit process's environment, once it has one: a `simple` unit is active from its
+    spawn, and until the spawner's execve has run, /proc/PID/environ is still the spawner's (a
+    read right after `active` got it under load). The unit's own has OMNID_UNIT."""
+    def read() -> dict[str, str] | None:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            items = f.read().split(b"\0")
+        env = dict(i.decode(errors="replace").split("=", 1) for i in items if b"=" in i)
+        return env if "OMNID_UNIT" in env else None
+
+    return wait_for(read, timeout, f"pid {pid} to have exec'd its unit (OMNID_UNIT in its environment)")
+
+
+def _port_slice() -> tuple[int, int]:
+    """The ports this process hands out: below the ephemeral range, split between the xdist
+    workers of a parallel run (PYTEST_XDIST_WORKER gwN of PYTEST_XDIST_WORKER_COUNT), so that two
+    workers never hand out one port between its check and its bind."""
+    high = _EPHEMERAL_LOW
+    low = max(10000, high - 12000)
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1:
+        size = (high - low) // int(count)
+        low += int(worker[2:]) % int(count) * size
+        high = low + size
+    return low, high
+
+
 def free_port() -> int:
     """A port nobody listens on now, for a unit to bind a moment later, taken from below the
     kernel's ephemeral range. A port the kernel picks for bind(0) is one it may also give the
@@ -93,8 +120,7 @@ def free_port() -> int:
     the same port twice in one test run."""
     import random
 
-    high = _EPHEMERAL_LOW
-    low = max(10000, high - 12000)
+    low, high = _port_slice()
     for _ in range(1000):
         port = random.randrange(low, high)
         if port in _handed_out:

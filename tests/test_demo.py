@@ -30,6 +30,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from tests.harness import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 FAIL_FAST_S = 2.0
 START_TIMEOUT_S = 60.0  # torch import on a loaded CI box; normally ~3 s
@@ -38,11 +40,6 @@ LONG_MS = 20_000  # a request that is certainly still running when the fault is 
 
 # ---- helpers ---------------------------------------------------------------------------------
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def process_state(pid: int) -> str:

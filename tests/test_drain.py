@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.harness import make_stack, wait_for
+from tests.harness import free_port, make_stack, wait_for
 
 UNIT_PY = textwrap.dedent('''
     import json, os, signal, socket, sys, threading, time
@@ -73,11 +73,6 @@ def record(rec: Path) -> list[tuple[float, str]]:
         return []
     return [tuple(json.loads(line)) for line in rec.read_text().splitlines() if line.strip()]  # type: ignore[misc]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def watch_health(d) -> tuple[list[tuple[float, int, str]], threading.Event, threading.Thread]:

@@ -13,7 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from tests.harness import make_stack
+from tests.harness import free_port, make_stack
 
 UNIT_PY = textwrap.dedent('''
     import json, os, signal, socket, sys, threading, time
@@ -53,11 +53,6 @@ UNIT_PY = textwrap.dedent('''
         time.sleep(1)
 ''')
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def unit(tmp_path: Path, rec: Path, port: int, drain_timeout: float, **env: str) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port, make_stack, repo_pythonpath, temp_dir, wait_for
+from tests.harness import free_port, make_stack, repo_pythonpath, temp_dir, unit_environ, wait_for
 from omnid.model.units import check_stack
 
 ROOT = os.geteuid() == 0
@@ -55,9 +55,7 @@ def cache_root() -> Path:
 
 
 def env_of(pid: int) -> dict[str, str]:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        items = f.read().split(b"\0")
-    return dict(i.decode(errors="replace").split("=", 1) for i in items if b"=" in i)
+    return unit_environ(pid)
 
 
 def kill(pid: int) -> None:

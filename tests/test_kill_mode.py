@@ -46,6 +46,7 @@ CHILD_PY = textwrap.dedent('''
 
     signal.signal(signal.SIGTERM, on_term if os.environ.get("CHILD", "term") == "term" else signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, lambda n, f: note("child USR1"))
+    note("child ready")  # its handlers are in place: a test that signals it waits for this
     for line in sys.stdin:  # an engine: answers its server's requests
         sys.stdout.write("pong\\n")
         sys.stdout.flush()
@@ -410,6 +411,9 @@ def test_leftovers_that_ignore_the_stop_signal_are_sigkilled_at_leftover_timeout
     main, child = pids(tmp_path)
     watch, health = Watch([main, child]), Health(d)
     wait_for(lambda: health.answered, 30, "/health to answer")
+    # Under load the child's interpreter can take seconds to start: until it ignores SIGTERM, the
+    # grace's SIGTERM would end it at once.
+    wait_for(lambda: "child ready" in record(tmp_path / "rec"), 60, "the child to ignore SIGTERM")
     (tmp_path / "go").touch()
     # Waited for in the daemon's log: a status call reads all of /proc for its figures, and
     # polling it would hold the daemon's loop while /health is measured.

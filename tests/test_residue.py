@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import Daemon, alive, free_port, make_stack, repo_pythonpath, temp_dir, wait_for
+from tests.harness import Daemon, alive, free_port, make_stack, repo_pythonpath, temp_dir, unit_environ, wait_for
 
 PY = sys.executable
 ROOT = os.geteuid() == 0
@@ -109,9 +109,7 @@ def send(pid: int, sig: int) -> None:
 
 
 def env_of(pid: int) -> dict[str, str]:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        items = f.read().split(b"\0")
-    return dict(i.decode(errors="replace").split("=", 1) for i in items if b"=" in i)
+    return unit_environ(pid)
 
 
 def unit_toml(prog: str, *args: str, extra: str = "") -> str:
@@ -231,7 +229,8 @@ def test_shm_held_by_a_live_process_of_another_unit_is_not_removed(daemon_factor
 # main: makes /dev/shm/NAME, starts a holder that omnid cannot tie to the unit (its own
 # session, an empty environment: as PostgreSQL's backends, which call setsid() and overwrite
 # their environment), then sleeps. The holder maps the entry and, once its parent is gone,
-# lingers a moment before it exits (as a backend that notices the postmaster's death).
+# lingers until the test releases it (a file appears; a minute at most) before it exits (as a
+# backend that notices the postmaster's death and ends its work).
 ORPHAN_HOLDER = r"""
 import mmap, os, subprocess, sys, time
 mode, name = sys.argv[1], sys.argv[2]
@@ -248,7 +247,9 @@ else:
     deadline = time.monotonic() + 60
     while os.getppid() == parent and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(float(sys.argv[4]))
+    deadline = time.monotonic() + 60
+    while not os.path.exists(sys.argv[4]) and time.monotonic() < deadline:
+        time.sleep(0.01)
 """
 
 
@@ -263,18 +264,20 @@ def test_shm_held_by_the_units_own_untracked_process_goes_once_that_process_exit
     name = f"omtorphan{os.getpid()}"
     pidfile = temp_dir("omt-pid-") / "holder.pid"
     os.chmod(pidfile.parent, 0o777)
-    linger = "4" if reexec else "1.5"
-    d = daemon_factory(make_stack({"u": unit_toml(prog, "main", name, str(pidfile), linger)}))
+    release = pidfile.parent / "release"  # the holder exits once this exists
+    d = daemon_factory(make_stack({"u": unit_toml(prog, "main", name, str(pidfile), str(release))}))
     holder = None
     try:
         pid = d.wait_state("u", "active")["pid"]
         holder = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), 20, "the holder to map the segment"))
         send(pid, signal.SIGKILL)
         d.wait_state("u", "failed", timeout=10)
-        if reexec and d.cgroup_root is None:
+        if d.cgroup_root is None:  # the removal at the death finds it held (a cgroup's kill takes the holder)
             wait_for(lambda: any(e.get("looked_at_again") for e in d.log_events()), 10, "the first look")
-            d.reexec()
-            assert alive(holder) and name in shm_names(), "the holder ended before the re-exec: linger longer"
+            if reexec:
+                d.reexec()
+                assert alive(holder) and name in shm_names(), "the holder ended before the re-exec"
+        release.touch()
 
         def said() -> list[dict]:
             return [e for e in d.log_events() if e.get("event") == "IPC residue" and e.get("unit") == "u"]

@@ -90,7 +90,7 @@ def test_instances_accept_on_one_held_socket_and_a_killed_one_leaves_its_backlog
     os.kill(p1, 19)
     try:
         first = socket.create_connection(("127.0.0.1", port), timeout=5)
-        wait_for(lambda: (_inode(p0, 4) or "").startswith("socket:"), 5,
+        wait_for(lambda: (_inode(p0, 4) or "").startswith("socket:"), 30,
                  "w@0 to accept the first connection (its fd 4)", interval=0.02)
         waiting = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(20)]
         os.kill(p0, 9)

@@ -29,7 +29,10 @@ from tests.netns import HostDaemon, Testbed, ranks_stack, unavailable
 pytest.importorskip("aetcd", reason="the cluster tests need the etcd client (pip install '.[cluster]')")
 pytest.importorskip("torch", reason="the ranks are torch gloo processes (the demo extra)")
 _why = unavailable()
-pytestmark = pytest.mark.skipif(_why is not None, reason=f"hosts as network namespaces with etcd: {_why}")
+# One testbed at a time (xdist group "netns"): each runs an etcd whose 3 s leases the tests time
+# against, and two beds' etcds and hosts at once starve each other on two cores.
+pytestmark = [pytest.mark.skipif(_why is not None, reason=f"hosts as network namespaces with etcd: {_why}"),
+              pytest.mark.xdist_group("netns")]
 
 TTL = 3
 HOSTS = ["a", "b"]

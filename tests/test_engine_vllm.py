@@ -5,18 +5,21 @@ The engine's environment and the model are found or made by the fixtures
 `python -m pytest tests/test_engine_vllm.py` needs nothing set. The module skips, with
 the reason, only where vLLM cannot run (no AVX2/AVX-512, or the install failed).
 
-A vLLM start costs 30-130 s on two cores, so each kill backend gets ONE daemon for the
+A vLLM start costs 30-130 s on two cores, so each track gets ONE daemon for the
 module (module-scoped, its processes carrying the module's OMNID_TEST_ID, checked gone at
 module teardown) and the faults are injected one after another, each test waiting for the
-restart before it returns; the process-group stack starts beside the cgroup one and waits,
-serving, for its rows. Order matters and is the file's order:
+restart before it returns. Three tracks, each its own stack and its own xdist group (the
+suite runs with `-n ... --dist loadgroup`: a group's rows run on one worker, in file order,
+beside the other tracks; run alone, the tracks' stacks are begun together and wait, serving,
+for their rows). Every row that kills the tree pays for one vLLM restart:
 
-  cgroup backend:   serving; SIGKILL/SIGTERM x API server/EngineCore/Worker and SIGINT x
-                    API server under load (SIGINT x EngineCore/Worker with
-                    OMNID_ENGINE_ALL_FAULTS=1); the Worker hung (SIGSTOP); an abort storm;
-                    `omnid stop` with 4 completions in flight; Ctrl+C of the daemon
-  process groups:   SIGKILL of the API server under load; `omnid stop` with 4 completions
-                    in flight; SIGKILL of the daemon
+  cgroup:    serving; SIGKILL and SIGTERM x API server/EngineCore/Worker under load
+  cgroup2:   SIGINT x API server/EngineCore/Worker under load; the Worker hung (SIGSTOP)
+             under load and while idle; an abort storm; `omnid stop` with 4 completions in
+             flight; Ctrl+C of the daemon
+  pgroup:    SIGKILL of the API server under load; `omnid stop` with 4 completions in
+             flight; SIGKILL of the daemon
+  (and the shipped example, units/examples/vllm, a daemon of its own)
 
 After each fault, no sem.mp-* or psm_* entry that a process of the dead tree created (the
 creator named by fanotify, read by a listener of the module's own) is left in /dev/shm.
@@ -49,6 +52,7 @@ UNIT = "vllm"
 START_S = 480  # a (re)start on two loaded cores: imports in three processes, then the load
 STALL_SEC = 8  # the progress rule's bound in the unit
 TIMINGS: list[str] = []
+REPORTED = [0]  # how many of TIMINGS went with a test's report
 
 # Issue 25's daemon behaviours the rows below rely on. Their unit keys parse (the unit uses
 # them) before the behaviour behind each lands in the daemon; until it has, the row that needs
@@ -117,16 +121,18 @@ def _with_drain(text: str) -> str:
     return text + 'drain = { signal = "SIGWINCH" }\ndrain_timeout = 20\n'
 
 
-def _begin(engine, module_test_id: str, backend: str) -> Stack:
-    """A daemon for `backend` started on the vLLM unit; it is not waited for."""
+def _begin(engine, module_test_id: str, tag: str) -> Stack:
+    """A daemon for track `tag` (its kill backend: TRACKS) started on the vLLM unit; it is not
+    waited for."""
+    backend = TRACKS[tag]
     py, model = engine
     port = free_port()
     units = make_stack({UNIT: _with_drain(unit_toml(py, model, port, stall_sec=STALL_SEC))})
-    env = {"OMNID_TEST_ID": module_test_id, "OMNID_TEST_STACK": backend, "OMNID_CHECK_INVARIANTS": "1",
+    env = {"OMNID_TEST_ID": module_test_id, "OMNID_TEST_STACK": tag, "OMNID_CHECK_INVARIANTS": "1",
            "INVOCATION_ID": "", "OMNID_TEST_CGROUP": "1" if backend == "cgroup" else "0"}
     d = Daemon(units, env=env)
     DAEMONS.append(d)
-    stack = Stack(d, port, backend, backend)
+    stack = Stack(d, port, backend, tag)
     try:
         d.start()
         d.ok("status")  # opens the control socket now, before any test's fd baseline
@@ -136,32 +142,39 @@ def _begin(engine, module_test_id: str, backend: str) -> Stack:
     return stack
 
 
+# The tracks: fixture name -> (stack tag, its kill backend). Each is its own xdist group.
+TRACKS = {"cgroup": "cgroup", "cgroup2": "cgroup", "pgroup": "pgroup"}
+FIXTURE_TRACK = {"cg": "cgroup", "cg2": "cgroup2", "pg": "pgroup"}
+CG, CG2, PG = (pytest.mark.xdist_group(f"vllm-{t}") for t in ("cgroup", "cgroup2", "pgroup"))
+
+
 class Stacks:
-    """The module's two stacks. The process-group one is begun beside the cgroup one when its
-    tests are to run: its first start (three processes importing vLLM, a minute of one core)
-    then overlaps the cgroup stack's instead of following ~8 minutes of cgroup rows, and it
-    serves idle until its rows come."""
+    """The module's stacks, one per track. Run alone (no xdist), every track whose rows are
+    to run is begun at the first one's: their first starts (three processes importing vLLM, a
+    minute of one core each) overlap instead of following minutes of another track's rows, and
+    each serves idle until its rows come. Under xdist a worker begins only the track it was
+    given (its rows are one group): the other tracks run on other workers."""
 
     def __init__(self, engine, module_test_id: str, wanted: set[str]) -> None:
         self.engine, self.module_test_id, self.wanted = engine, module_test_id, wanted
         self.begun: dict[str, Stack] = {}
 
-    def begin(self, backend: str) -> Stack:
-        if backend not in self.begun:
-            self.begun[backend] = _begin(self.engine, self.module_test_id, backend)
-        return self.begun[backend]
+    def begin(self, tag: str) -> Stack:
+        if tag not in self.begun:
+            self.begun[tag] = _begin(self.engine, self.module_test_id, tag)
+        return self.begun[tag]
 
-    def serving(self, backend: str) -> Stack:
-        if backend == "cgroup" and "pgroup" in self.wanted:
-            self.begin("pgroup")
-        stack = self.begin(backend)
-        beside = sorted(b for b in self.begun if b != backend)
+    def serving(self, tag: str) -> Stack:
+        for other in sorted(self.wanted):
+            self.begin(other)
+        stack = self.begin(tag)
+        beside = sorted(t for t in self.begun if t != tag)
         asked = time.monotonic()
         stack.wait_serving()
         now = time.monotonic()
         when = (f"first start serving after {now - stack.began:.1f} s" if asked - stack.began < 5 else
                 f"begun {asked - stack.began:.0f} s before its rows, serving {now - asked:.1f} s after they asked")
-        TIMINGS.append(f"{backend}: {when}" + (f" (begun beside the {', '.join(beside)} stack)" if beside else ""))
+        TIMINGS.append(f"{tag}: {when}" + (f" (begun beside the {', '.join(beside)} stack)" if beside else ""))
         return stack
 
     def close(self) -> None:
@@ -217,8 +230,11 @@ SHM_CREATORS: list[ShmCreators] = []  # the module's watch, for _fault
 @pytest.fixture(scope="module")
 def stacks(engine, module_test_id, request, shm_creators):
     SHM_CREATORS[:] = [shm_creators]  # watching before any stack starts: a tree's entries are made at its start
-    wanted = {b for b, prefix in (("cgroup", "test_cgroup"), ("pgroup", "test_pgroup"))
-              if any(item.name.startswith(prefix) for item in request.session.items)}
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        wanted: set[str] = set()  # this worker's group is one track: begun when its first row asks
+    else:
+        wanted = {FIXTURE_TRACK[f] for item in request.session.items if item.module is request.module
+                  for f in getattr(item, "fixturenames", ()) if f in FIXTURE_TRACK}
     s = Stacks(engine, module_test_id, wanted)
     yield s
     s.close()
@@ -230,24 +246,32 @@ def cg(stacks):
 
 
 @pytest.fixture(scope="module")
+def cg2(stacks):
+    return stacks.serving("cgroup2")
+
+
+@pytest.fixture(scope="module")
 def pg(stacks):
     return stacks.serving("pgroup")
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def report_timings(request):
-    """What each row measured, shown at the end of the module (and kept in the cache dir)."""
+    """What each row measured goes with its report (user property "figures"): the session's
+    end shows every row's figures, from whichever xdist worker ran it (tests/conftest.py), and
+    keeps them in the engine cache (last-test-timings*.txt, one file per worker)."""
     yield
-    if not TIMINGS:
-        return
-    text = "real vLLM timings (tests/test_engine_vllm.py):\n  " + "\n  ".join(TIMINGS)
-    tr = request.config.pluginmanager.get_plugin("terminalreporter")
-    if tr is not None:
-        tr.write_line("\n" + text)
-    try:
-        (vllm_env.cache_dir() / "last-test-timings.txt").write_text(text + "\n")
-    except OSError:
-        pass
+    new, REPORTED[0] = TIMINGS[REPORTED[0]:], len(TIMINGS)  # a track's first start is timed in its fixture
+    for line in new:
+        request.node.user_properties.append(("figures", line))
+    if new:
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        name = f"last-test-timings-{worker}.txt" if worker else "last-test-timings.txt"
+        try:
+            (vllm_env.cache_dir() / name).write_text(
+                "real vLLM timings (tests/test_engine_vllm.py):\n  " + "\n  ".join(TIMINGS) + "\n")
+        except OSError:
+            pass
 
 
 # --------------------------------------------------------------------------- the rows
@@ -300,7 +324,7 @@ def _fault(stack: Stack, role: str, sig: int) -> None:
     assert stack.unit()["restarts"] > restarts, stack.unit()
     new_tree = full_tree(new_api)
     assert not {p.pid for p in new_tree.procs} & {p.pid for p in tree.left()}
-    TIMINGS.append(f"{stack.backend} {signal.Signals(sig).name} {role}: tree gone {1000 * (seen['gone'] - t0):.0f} ms, "
+    TIMINGS.append(f"{stack.tag} {signal.Signals(sig).name} {role}: tree gone {1000 * (seen['gone'] - t0):.0f} ms, "
                    f"/health 503 {1000 * (seen['503'] - t0):.0f} ms, serving again {t_back - t0:.1f} s "
                    f"(omnid saw: {stack.unit()['last_exit']})")
     left = _residue_shm(shm_before, new_tree)
@@ -316,6 +340,7 @@ def _fault(stack: Stack, role: str, sig: int) -> None:
         TIMINGS.append(f"  (remove_ipc not in this omnid yet: {len(left)} /dev/shm objects of the old tree left)")
 
 
+@CG
 def test_cgroup_serves_and_tree(cg):
     """The unit is vLLM's real tree: API server -> EngineCore -> Worker, in omnid's cgroup."""
     api = cg.unit()["pid"]
@@ -330,26 +355,30 @@ def test_cgroup_serves_and_tree(cg):
     assert cg.d.http("/health")[0] == 200
 
 
-FAULTS = [(role, sig) for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT) for role in ("api", "engine", "worker")]
-# Each row costs a vLLM restart (~50 s on two cores) and CI has 35 minutes for everything. A
-# SIGINT reaches an engine or a worker alone only when someone sends it to that pid (Ctrl+C
-# goes to the terminal's whole foreground group, the API server included: SIGINT-api), and
-# vLLM's engine and worker handle it as they do SIGTERM: those two rows run when asked.
-ALL_FAULTS = os.environ.get("OMNID_ENGINE_ALL_FAULTS") == "1"
-RARE = {("engine", signal.SIGINT), ("worker", signal.SIGINT)}
+FAULTS = [(role, sig) for sig in (signal.SIGKILL, signal.SIGTERM) for role in ("api", "engine", "worker")]
 
 
-@pytest.mark.parametrize("role,sig", [
-    pytest.param(r, s, marks=pytest.mark.skipif((r, s) in RARE and not ALL_FAULTS,
-                                                reason="a SIGINT to this process alone is rare and handled as its "
-                                                       "SIGTERM row; OMNID_ENGINE_ALL_FAULTS=1 runs it"))
-    for r, s in FAULTS], ids=[f"{s.name}-{r}" for r, s in FAULTS])
+@CG
+@pytest.mark.parametrize("role,sig", FAULTS, ids=[f"{s.name}-{r}" for r, s in FAULTS])
 def test_cgroup_fault(cg, role, sig):
     _fault(cg, role, sig)
 
 
+# Ctrl+C goes to the terminal's whole foreground group (the API server included: SIGINT-api); a
+# SIGINT to an engine or a worker alone is rarer (someone sends it to that pid), and vLLM's engine
+# and worker handle it as they do SIGTERM. Each row costs a restart, on the second cgroup track.
+ROLES = ("api", "engine", "worker")
+
+
+@CG2
+@pytest.mark.parametrize("role", ROLES, ids=[f"SIGINT-{r}" for r in ROLES])
+def test_cgroup_sigint(cg2, role):
+    _fault(cg2, role, signal.SIGINT)
+
+
+@CG2
 @needs("progress")
-def test_cgroup_worker_hang_progress(cg):
+def test_cgroup_worker_hang_progress(cg2):
     """FM-31: the Worker stopped (SIGSTOP) under load. vLLM's own /health stays 200; omnid
     fails the unit, the dump names the stopped Worker, the tree is killed (abort_timeout),
     restarted, serving. How the progress rule sees it depends on where the Worker stopped:
@@ -357,14 +386,14 @@ def test_cgroup_worker_hang_progress(cg):
     (requests running in the frozen gauges): the counter stuck, within stall_sec + interval.
     Stopped between two batches (0 running, for ever): its one-token canary unanswered,
     within 2 x (stall_sec + interval). The row says which it was."""
-    d = cg.d
-    api = cg.wait_serving()
+    d = cg2.d
+    api = cg2.wait_serving()
     tree = full_tree(api)
-    load = Load(cg.port, clients=4, max_tokens=64, timeout=300)
+    load = Load(cg2.port, clients=4, max_tokens=64, timeout=300)
     try:
-        _hang(cg, d, api, tree, load)
+        _hang(cg2, d, api, tree, load)
     finally:
-        if tree.worker.alive() and cg.unit()["pid"] == api:  # not caught: end the hang for the next rows
+        if tree.worker.alive() and cg2.unit()["pid"] == api:  # not caught: end the hang for the next rows
             signal_proc(tree.worker, signal.SIGKILL)
         load.stop()
 
@@ -425,54 +454,55 @@ def _hang(cg: Stack, d: Daemon, api: int, tree: Tree, load: Load) -> None:
                    f"tree gone {t_gone - t0:.1f} s (abort_timeout 5), serving again {t_back - t0:.1f} s")
 
 
-@pytest.mark.skipif(not ALL_FAULTS, reason="a second hang row (a ~60 s restart): OMNID_ENGINE_ALL_FAULTS=1 runs it")
-def test_cgroup_worker_hang_while_idle_is_caught_by_the_progress_canary(cg):
+@CG2
+def test_cgroup_worker_hang_while_idle_is_caught_by_the_progress_canary(cg2):
     """The Worker stopped with nothing running: vLLM's gauges say idle for ever and its
     /health 200. The progress rule's canary (one token) goes out after stall_sec of idleness,
     is accepted and never answered: the unit fails within 2 x (stall_sec + interval)."""
-    d = cg.d
-    api = cg.wait_serving()
-    wait_for(lambda: (u := cg.unit())["state"] == "active" and u["pid"] == api, 60,
-             lambda: f"omnid to see vLLM active (unit: {cg.unit()})")
+    d = cg2.d
+    api = cg2.wait_serving()
+    wait_for(lambda: (u := cg2.unit())["state"] == "active" and u["pid"] == api, 60,
+             lambda: f"omnid to see vLLM active (unit: {cg2.unit()})")
     tree = full_tree(api)
     t0 = time.monotonic()
     signal_proc(tree.worker, signal.SIGSTOP)
     try:
-        u = wait_for(lambda: ((u := cg.unit())["pid"] != api or u["state"] != "active") and u, 2 * (STALL_SEC + 1) + 30,
+        u = wait_for(lambda: ((u := cg2.unit())["pid"] != api or u["state"] != "active") and u, 2 * (STALL_SEC + 1) + 30,
                      "omnid to notice the Worker stopped while idle", interval=0.2)
         t_det = time.monotonic()
-        assert vllm_health(cg.port) in (200, None)
+        assert vllm_health(cg2.port) in (200, None)
         wait_for(lambda: not tree.left(), 120, f"the hung tree gone (left: {tree.describe(tree.left())})")
         t_gone = time.monotonic()
     finally:
-        if tree.worker.alive() and cg.unit()["pid"] == api:
+        if tree.worker.alive() and cg2.unit()["pid"] == api:
             signal_proc(tree.worker, signal.SIGKILL)
     assert str(u["reason"]).startswith("progress: canary POST") and "timed out" in u["reason"], u
     assert t_det - t0 <= 2 * (STALL_SEC + 1) + 5, f"detected after {t_det - t0:.1f} s"
-    cg.wait_serving(not_pid=api)
+    cg2.wait_serving(not_pid=api)
     TIMINGS.append(f"cgroup hang while idle (SIGSTOP worker): detected {t_det - t0:.1f} s by the progress canary "
                    f"(stall_sec {STALL_SEC}, interval 1), tree gone {t_gone - t0:.1f} s, serving again {time.monotonic() - t0:.1f} s")
     assert d.ok("dump", {"unit": UNIT})["captures"]
 
 
-def test_cgroup_abort_storm(cg):
+@CG2
+def test_cgroup_abort_storm(cg2):
     """Hundreds of streaming clients, two of three dropping their connection mid-stream while
     the rest complete: afterwards vLLM's own /metrics shows no request running or waiting,
     and it still serves."""
-    cg.wait_serving()
+    cg2.wait_serving()
     n = 300
     t0 = time.monotonic()
-    counts = abort_storm(cg.port, n)
+    counts = abort_storm(cg2.port, n)
     t_storm = time.monotonic() - t0
     assert counts == {"aborted": n - n // 3, "completed": n // 3}, counts
 
     def drained():
-        m = metrics(cg.port)
+        m = metrics(cg2.port)
         return m.get("vllm:num_requests_running", 1) == 0 and m.get("vllm:num_requests_waiting", 1) == 0 and m
 
     m = wait_for(drained, 60, "vLLM's /metrics to show no running or waiting request after the storm", interval=0.2)
-    assert serves(cg.port)
-    assert cg.unit()["state"] == "active" and cg.d.http("/health")[0] == 200
+    assert serves(cg2.port)
+    assert cg2.unit()["state"] == "active" and cg2.d.http("/health")[0] == 200
     TIMINGS.append(f"abort storm: {n} streams in {t_storm:.1f} s: {counts}; after it running "
                    f"{m['vllm:num_requests_running']:.0f}, waiting {m['vllm:num_requests_waiting']:.0f}")
 
@@ -549,29 +579,34 @@ def _stop_with_requests_in_flight(stack: Stack) -> None:
     assert rec["to"] == "main" and not rec["escalated"], f"not the ordered stop (kill_mode mixed): {rec}"
     assert t_stop - t0 < 40, f"stop took {t_stop - t0:.1f} s (drain_timeout 20 + vLLM's own drain): {summary}"
     assert drained and "= 0 on 2 scrapes" in drained[-1], f"the drain did not end by vLLM's gauges: {drained}"
-    TIMINGS.append(f"{stack.backend} stop with 4 in flight: 4 of 4 answered in full ({STOP_TOKENS} tokens), stop "
+    TIMINGS.append(f"{stack.tag} stop with 4 in flight: 4 of 4 answered in full ({STOP_TOKENS} tokens), stop "
                    f"{t_stop - t0:.1f} s ({drained[-1]}; SIGTERM -> exit {rec['main_seconds']} s)")
     stack.wait_serving(not_pid=api)
 
 
+@CG2
 @needs("kill_mode")
-def test_cgroup_stop_under_load_mixed(cg):
-    _stop_with_requests_in_flight(cg)
+def test_cgroup_stop_under_load_mixed(cg2):
+    _stop_with_requests_in_flight(cg2)
 
 
-def test_cgroup_daemon_ctrl_c(cg):
+@CG2
+def test_cgroup_daemon_ctrl_c(cg2):
     """Ctrl+C (SIGINT) of the daemon with vLLM serving: the daemon stops the stack and exits;
     nothing of it is left."""
-    api = cg.wait_serving()
+    api = cg2.wait_serving()
     tree = full_tree(api)
     t0 = time.monotonic()
-    cg.d.proc.send_signal(signal.SIGINT)
-    cg.d.wait_exit(120)
-    wait_for(lambda: not tree.left() and not cg.ours(), 30,
-             f"the whole stack gone after Ctrl+C (left: {tree.describe(tree.left())}, ours {cg.ours()})")
+    cg2.d.proc.send_signal(signal.SIGINT)
+    cg2.d.wait_exit(120)
+    wait_for(lambda: not tree.left() and not cg2.ours(), 30,
+             f"the whole stack gone after Ctrl+C (left: {tree.describe(tree.left())}, ours {cg2.ours()})")
     TIMINGS.append(f"cgroup daemon Ctrl+C: all gone in {time.monotonic() - t0:.1f} s")
+    bad = cg2.d.invariant_violations()  # every state the second track's daemon published
+    assert not bad, "the daemon's state disagreed with the kernel after a transition:\n" + "\n".join(bad[:10])
 
 
+@CG
 def test_cgroup_invariants(cg):
     """Every state the cgroup stack's daemon published agreed with the kernel (the daemon
     checks itself after each transition, OMNID_CHECK_INVARIANTS=1, as daemon_factory's
@@ -585,15 +620,18 @@ def test_cgroup_invariants(cg):
 # daemon SIGKILLed. The EngineCore's SIGKILL orphans the Worker alone (the same case, one level
 # down) and the Worker's orphans nothing; the cgroup rows cover both (each row costs a vLLM
 # restart, ~50 s).
+@PG
 def test_pgroup_sigkill_api(pg):
     _fault(pg, "api", signal.SIGKILL)
 
 
+@PG
 @needs("kill_mode")
 def test_pgroup_stop_under_load_mixed(pg):
     _stop_with_requests_in_flight(pg)
 
 
+@PG
 def test_pgroup_daemon_sigkill(pg):
     """SIGKILL of the daemon with vLLM serving: the spawner and every unit process follow it."""
     api = pg.wait_serving()

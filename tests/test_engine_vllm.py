@@ -40,7 +40,7 @@ import pytest
 from omnid.base import linux
 from omnid.process import ipc
 from tests.engines import vllm_env
-from tests.engines.vllm_stack import (Load, abort_storm, Tree, complete, full_tree, metrics, serves,
+from tests.engines.vllm_stack import (Load, StackSlots, abort_storm, Tree, complete, full_tree, metrics, serves,
                                       signal_proc, tree_of, unit_toml, vllm_health)
 from tests.harness import Daemon, free_port, make_stack, wait_for
 
@@ -83,8 +83,8 @@ def engine():
 
 
 class Stack:
-    def __init__(self, d: Daemon, port: int, backend: str, tag: str) -> None:
-        self.d, self.port, self.backend, self.tag = d, port, backend, tag
+    def __init__(self, d: Daemon, port: int, backend: str, tag: str, slot: StackSlots) -> None:
+        self.d, self.port, self.backend, self.tag, self.slot = d, port, backend, tag, slot
         self.began = time.monotonic()
 
     def unit(self) -> dict:
@@ -131,13 +131,15 @@ def _begin(engine, module_test_id: str, tag: str) -> Stack:
     env = {"OMNID_TEST_ID": module_test_id, "OMNID_TEST_STACK": tag, "OMNID_CHECK_INVARIANTS": "1",
            "INVOCATION_ID": "", "OMNID_TEST_CGROUP": "1" if backend == "cgroup" else "0"}
     d = Daemon(units, env=env)
+    slot = StackSlots(1).__enter__()  # held until the stack is closed (Stacks.close)
     DAEMONS.append(d)
-    stack = Stack(d, port, backend, tag)
+    stack = Stack(d, port, backend, tag, slot)
     try:
         d.start()
         d.ok("status")  # opens the control socket now, before any test's fd baseline
     except BaseException:
         d.close()
+        slot.__exit__(None, None, None)
         raise
     return stack
 
@@ -180,6 +182,7 @@ class Stacks:
     def close(self) -> None:
         for stack in self.begun.values():
             stack.d.close()
+            stack.slot.__exit__(None, None, None)
 
 
 class ShmCreators:
@@ -677,7 +680,13 @@ def _example_on_cpu(py, model, port: int, rpc: int) -> dict[str, str]:
     return out
 
 
-def test_example_vllm_split_on_cpu(engine, daemon_factory):
+@pytest.fixture
+def vllm_slot():
+    with StackSlots(1) as slot:
+        yield slot
+
+
+def test_example_vllm_split_on_cpu(engine, vllm_slot, daemon_factory):
     """units/examples/vllm (API server with --data-parallel-size-local 0, headless engines as
     a unit of their own) on vLLM's CPU build: both tiers up, a completion through the API
     server to the headless engine, and a SIGKILL of the engine unit's EngineCore fails that

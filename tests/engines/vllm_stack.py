@@ -52,6 +52,70 @@ def knows(key: str) -> bool:
     return _known[key]
 
 
+# --------------------------------------------------------------------------- memory: stacks at once
+
+STACK_GIB = 3  # one stack of the tiny model on CPU: Worker ~1.5 GiB (its 1 GiB KV cache), API server and EngineCore ~0.45 each
+
+
+def _slot_count() -> int:
+    """How many vLLM stacks this machine holds at once beside the rest of a parallel run: a
+    quarter of its memory kept for everything else (eight stacks at once took every byte of
+    a 24 GiB machine)."""
+    try:
+        with open("/proc/meminfo") as f:
+            total_gib = int(next(ln for ln in f if ln.startswith("MemTotal:")).split()[1]) / (1 << 20)
+    except (OSError, StopIteration, ValueError):
+        return 1
+    return max(1, int(total_gib * 0.75 // STACK_GIB))
+
+
+class StackSlots:
+    """Slots for vLLM stacks, machine-wide (flock on files under /tmp, so every xdist worker and
+    every other run on the machine shares them): a test takes one per stack it starts and holds
+    them until its stacks are gone; past the machine's count it waits, then fails naming who
+    holds them. The kernel drops a dead holder's locks."""
+
+    DIR = Path("/tmp/omnid-test-vllm-slots")
+
+    def __init__(self, n: int = 1, timeout: float = 1800) -> None:
+        self.n, self.timeout = n, timeout
+        self.fds: list[int] = []
+
+    def __enter__(self) -> "StackSlots":
+        import fcntl
+
+        count = _slot_count()
+        if self.n > count:
+            raise AssertionError(f"{self.n} vLLM stacks at once do not fit this machine's memory ({count} do)")
+        self.DIR.mkdir(mode=0o700, exist_ok=True)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            for k in range(count):
+                if len(self.fds) == self.n:
+                    return self
+                fd = os.open(self.DIR / f"slot-{k}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()} {os.environ.get('PYTEST_CURRENT_TEST', '')}".encode())
+                self.fds.append(fd)
+            if len(self.fds) == self.n:
+                return self
+            self.__exit__(None, None, None)  # none held while waiting: two tests wanting two never block each other
+            if time.monotonic() > deadline:
+                holders = [(self.DIR / f"slot-{k}").read_text(errors="replace") for k in range(count)]
+                raise AssertionError(f"no vLLM slot free in {self.timeout:.0f} s; held by: {holders}")
+            time.sleep(0.5)
+
+    def __exit__(self, *_exc) -> None:
+        for fd in self.fds:
+            os.close(fd)  # closing the fd drops its lock
+        self.fds.clear()
+
+
 # The suite's sizes for vLLM's CPU build and a tiny model on two loaded cores; everything else
 # is what `omnid example vllm` writes (omnid.cli.examples).
 CPU_ENGINE_ARGS = (

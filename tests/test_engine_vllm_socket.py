@@ -28,12 +28,14 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.engines import vllm_env
 from tests.engines.vllm_stack import CPU_ENGINE_ARGS, MODEL_NAME, full_tree, serves, signal_proc
+from omnid.cli.examples import probe_port
 from tests.harness import REPO, free_port, repo_pythonpath, wait_for
 
 pytestmark = pytest.mark.timeout(1500)
@@ -115,6 +117,46 @@ def test_the_launcher_places_nothing_unless_instanced_and_unplaced(env):
     before = os.sched_getaffinity(0)
     assert lf.one_cpu_block_per_instance(dict(env)) is None
     assert os.sched_getaffinity(0) == before
+
+
+class LongRequest:
+    """One completion in a thread of its own: its end (monotonic) and outcome once done."""
+
+    def __init__(self, port: int, max_tokens: int) -> None:
+        self.end: float | None = None
+        self.outcome: int | str | None = None
+        self._thread = threading.Thread(target=self._run, args=(port, max_tokens), daemon=True, name="long-request")
+        self._thread.start()
+
+    def _run(self, port: int, max_tokens: int) -> None:
+        import http.client
+
+        body = json.dumps({"model": MODEL_NAME, "prompt": "the supervisor", "max_tokens": max_tokens,
+                           "ignore_eos": True, "temperature": 0})
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            r = c.getresponse()
+            r.read()
+            self.outcome = r.status
+        except (OSError, http.client.HTTPException) as exc:
+            self.outcome = type(exc).__name__
+        self.end = time.monotonic()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "a long completion still waits"
+
+
+def _running(port: int) -> float:
+    """vllm:num_requests_running as the instance on `port` reports it (0 when it cannot say)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running"))
 
 
 def _cpus_of(pid: int) -> str:
@@ -332,13 +374,18 @@ def test_fm40_enginecore_sigkill_on_one_held_socket_fails_no_request_after_it(
     if instances > 1 and len(os.sched_getaffinity(0)) >= instances:
         assert len(set(workers.values())) == instances, f"the instances' Workers share CPUs: {workers}"
     victim_unit = names[0]
-    # One-token completions, 5 a second: the killed instance restarts on the same two cores
-    # (vLLM's CPU build pins each engine to core 0), and a survivor busy with 20 a second
-    # starved its restart past 480 s.
+    # One-token completions, 5 a second (each instance computes on its own CPUs, but a client
+    # 4x busier starved the restart on this 2-core VM all the same).
+    own = probe_port(port, 0) if instances > 1 else port  # the victim's own address
     with Connector(port, completion_request(port, max_tokens=1), every=0.2, timeout=300) as conn:
         wait_for(lambda: conn.counts().get("answered", 0) > 20, 60, "completions answered before the kill")
         tree = full_tree(pids[victim_unit])
         victim = tree.engine
+        # Requests the killed instance is sure to hold: long completions sent to its own
+        # address, running when the kill comes. They must fail, and fast.
+        doomed = [LongRequest(own, max_tokens=480) for _ in range(2)]
+        wait_for(lambda: _running(own) >= len(doomed), 30, f"2 long completions running on {victim_unit}",
+                 interval=0.05)
         t_kill = time.monotonic()
         signal_proc(victim, signal.SIGKILL)
         _tree_gone(tree.procs)
@@ -356,7 +403,11 @@ def test_fm40_enginecore_sigkill_on_one_held_socket_fails_no_request_after_it(
         for other in names[1:]:
             assert d.unit(other)["pid"] == pids[other], f"{other} was restarted too"
         wait_for(lambda: conn.counts(since=time.monotonic() - 2).get("answered", 0) > 5, 60, "answers after")
-    before = [(s, e, w) for s, e, w in conn.results if s < t_kill and e > t_kill]  # in flight at the kill
+    for r in doomed:
+        r.join(30)
+    # In flight at the kill: the long completions on the victim, and the client's that were.
+    before = [(s, e, w) for s, e, w in conn.results if s < t_kill and e > t_kill]
+    before += [(t_kill, r.end, r.outcome) for r in doomed]
     failed_in_flight = [(round(e - t_kill, 2), w) for s, e, w in before if w != 200]
     after = conn.counts(since=t_kill)
     waits = sorted(e - s for s, e, w in conn.results if s >= t_kill)
@@ -370,4 +421,6 @@ def test_fm40_enginecore_sigkill_on_one_held_socket_fails_no_request_after_it(
     assert after.get("answered", 0) > 0 and set(after) == {"answered"}, \
         f"requests that arrived after the kill and failed: {after}"
     assert all(t < 5 for t, _w in failed_in_flight), f"the dead instance's requests did not fail fast: {failed_in_flight}"
+    assert all(r.outcome != 200 for r in doomed), \
+        f"a long completion on the killed {victim_unit} was answered: {[(r.end - t_kill, r.outcome) for r in doomed]}"
     assert os.readlink(f"/proc/{new0}/fd/3") == fd3[victim_unit], f"the new {victim_unit} accepts on the held socket"

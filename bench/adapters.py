@@ -228,6 +228,11 @@ class Adapter:
         os.kill(self.proc.pid, signal.SIGTERM)
         return t0
 
+    def own_pids(self) -> list[int]:
+        """The supervisor's own processes whose exit ends its stop (the main one; runit: and
+        every runsv, which outlive runsvdir until their service is down)."""
+        return [self.proc.pid]
+
     def kill_supervisor(self) -> int:
         t0 = now_ns()
         os.kill(self.proc.pid, signal.SIGKILL)
@@ -517,6 +522,9 @@ class Runit(Adapter):
                 break
             time.sleep(0.02)
         return rc
+
+    def own_pids(self) -> list[int]:
+        return [self.proc.pid, *(p.pid for p in self._descendants() if alive(p.pid) and not self.is_child(p.pid))]
 
     def _descendants(self) -> list[psutil.Process]:
         # runsv processes outlive runsvdir (re-parented to the harness, a subreaper)

@@ -113,12 +113,16 @@ class Bench:
             a.settle()
             jitter(a.stop_tick_s)
             fds = open_pidfds(st.keys())
+            own = open_pidfds(a.own_pids())
             ts = a.stop()
             gone = wait_pidfds(fds, timeout=self.deadline.cap(60))
             if len(gone) == len(fds):
                 res["stop_ms"] = (max(gone.values()) - ts) / MS
             else:
                 res["stop_error"] = f"{len(fds) - len(gone)} children still alive after 60 s"
+            exited = wait_pidfds(own, timeout=self.deadline.cap(30))
+            if own and len(exited) == len(own):
+                res["exit_ms"] = (max(exited.values()) - ts) / MS
             terms = [v[0] for v in a.stamps.read()["t"].values() if v[0] >= ts]
             if terms:
                 res["first_term_ms"] = (min(terms) - ts) / MS
@@ -138,6 +142,8 @@ class Bench:
                     if ms else {})
             term = (self.figure(f"stop_first_term_{n}", f"stop: {n} children, stop request -> first SIGTERM "
                                 "received", "ms") if ms else {})
+            exit_ = (self.figure(f"stop_exit_{n}", f"stop: {n} children, stop request -> the supervisor "
+                                 "exited", "ms") if ms else {})
             ready = None
             for sup, rs in runs.items():
                 start[sup] = summarize([r["start_ms"] for r in rs if "start_ms" in r], self.samples)
@@ -146,6 +152,7 @@ class Bench:
                     stop[sup] = summarize([r["stop_ms"] for r in rs if "stop_ms" in r], self.samples)
                     term[sup] = summarize([r["first_term_ms"] for r in rs if "first_term_ms" in r],
                                           self.samples)
+                    exit_[sup] = summarize([r["exit_ms"] for r in rs if "exit_ms" in r], self.samples)
                 errs = [r.get("error") or r.get("stop_error") for r in rs
                         if r.get("error") or r.get("stop_error")]
                 if errs:

@@ -19,7 +19,6 @@ from omnid.daemon import clusterwiring
 from omnid.daemon import fronts
 from omnid.base import linux
 from omnid.base.tasks import pending_tasks, suspended_at
-from omnid.forensics import capture
 
 if TYPE_CHECKING:
     from omnid.daemon.parts import DaemonParts
@@ -90,6 +89,8 @@ async def stop_daemon(daemon: DaemonParts, startup_task: asyncio.Task | None) ->
     sup.sockets.close_all()  # every unit is stopped: their sockets (and socket files) go
     sup.fdstore.close_all()  # and what they stored
     await daemon.spawner.shutdown()
+    from omnid.forensics import capture  # loaded with the control handlers; not before the first spawn
+
     capture.close_readers()  # idle /proc reader threads would hold the end (omnid.base.runloop)
     if daemon.cleanup is not None:
         daemon.cleanup.close()

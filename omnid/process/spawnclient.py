@@ -9,7 +9,9 @@ a child no unit could take.
 Spawns asked for in one turn of the loop (a tier's units, started together) go out as one
 datagram at the end of that turn, their common environment once; a big tier goes out in parts
 of PIPELINE_SPAWNS as it is built, so the spawner starts the first children while the loop
-builds the rest. The spawner answers what one turn of its own loop learnt in one datagram
+builds the rest, and a spawn asked while the spawner has nothing outstanding goes at once (the
+first of a tier, a restart). Before a datagram leaves, `before_send` writes what its children
+rely on (the private tmp record). The spawner answers what one turn of its own loop learnt in one datagram
 too, pidfds attached.
 
 The protocol's values that callers use (SpawnRequest, ExitReport) are defined in

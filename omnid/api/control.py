@@ -253,7 +253,11 @@ class ControlServer:
             self._subs.cancel()
         for t in list(self._tasks):
             t.cancel()
-        self.router.close(linger=0)
+        # The replies already handed to ZeroMQ (the `reexec` or `shutdown` answer) go out: the
+        # context's term() after this waits for them, 0.5 s at most (a peer not reading). With
+        # no linger they were dropped when the program was replaced first, and a client on a
+        # loaded machine saw "the daemon went away while answering 'reexec'".
+        self.router.close(linger=500)
         self.pub.close(linger=100)
         for p in (self.control, events_path(self.control)):
             if not (verdict := _daemon_file(p)):

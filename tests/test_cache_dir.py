@@ -223,6 +223,7 @@ def test_reload_and_reexec_keep_the_cache_dir_and_a_changed_one_restarts_the_uni
 
 
 @pytest.mark.skipif(not ROOT, reason="the cache root of a root daemon")
+@pytest.mark.timeout(600)  # torch.compile twice: minutes on two cores loaded by a parallel run
 def test_a_compiled_worker_restarted_finds_its_inductor_cache_while_private_tmp_goes(daemon_factory):
     """The real thing: the demo worker with --compile (torch.compile before READY=1), private_tmp
     on. Its second start loads the graph the first compiled (inductor says hit), from the unit's

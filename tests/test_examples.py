@@ -97,6 +97,7 @@ print(json.dumps(out, default=str))
 """
 
 
+@pytest.mark.timeout(600)  # vLLM's parsers: its imports, minutes on two cores loaded by a parallel run
 def test_vllm_preload_layout_flags_are_vllms_own():
     """Every argument of both units parses with the installed vLLM's own CLI (tests/engines/
     vllm_env.py's cached CPU build; skipped where it is not made: this does not install it)."""

@@ -102,10 +102,15 @@ def test_many_units_failing_together_do_not_restart_in_lockstep(daemon_factory):
     d = daemon_factory(make_stack({"c": 'exec = ["sh", "-c", "sleep 0.3; exit 1"]\ninstances = 16\n'
                                         'restart = "on-failure"\nrestart_sec = 0.4\n'}))
     wait_for(lambda: all(u["restarts"] >= 1 for u in d.units().values()), 30, "every instance restarted once")
-    starts: dict[str, list[float]] = {}
-    for e in d.log_events():
-        if e.get("event") == "unit state" and e.get("to") == "starting":
-            starts.setdefault(e["unit"], []).append(datetime.fromisoformat(e["timestamp"]).timestamp())
+
+    def starts_logged() -> dict[str, list[float]] | None:  # the log line comes a moment after the counter
+        starts: dict[str, list[float]] = {}
+        for e in d.log_events():
+            if e.get("event") == "unit state" and e.get("to") == "starting":
+                starts.setdefault(e["unit"], []).append(datetime.fromisoformat(e["timestamp"]).timestamp())
+        return starts if len(starts) == 16 and all(len(v) > 1 for v in starts.values()) else None
+
+    starts = wait_for(starts_logged, 30, "two starts of each instance in the daemon's log")
     second = sorted(v[1] for v in starts.values() if len(v) > 1)
     first = sorted(v[0] for v in starts.values() if len(v) > 1)
     spread = (second[-1] - second[0]) - (first[-1] - first[0])

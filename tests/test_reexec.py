@@ -199,7 +199,8 @@ def test_reexec_while_a_unit_crash_loops_leaves_no_duplicate_and_verify_clean(da
     # never two processes of crashy at once: every live process tagged crashy is its current one
     for _ in range(20):
         tagged = [p.pid for p in linux.scan() if p.state not in ("Z", "X") and p.comm in ("sh", "sleep")
-                  and linux.read_environ_var(p.pid, "OMNID_UNIT") == "crashy" and p.sid == p.pid]
+                  and linux.read_environ_var(p.pid, "OMNID_UNIT") == "crashy" and p.sid == p.pid
+                  and linux.read_environ_var(p.pid, "OMNID_TEST_ID") == os.environ["OMNID_TEST_ID"]]
         assert len(tagged) <= 1, tagged
         time.sleep(0.01)
     v = d.ok("status", {"verify": True})["verify"]
@@ -285,7 +286,8 @@ def test_an_unreadable_handover_stops_what_it_can_prove_its_own_cleanly_and_star
     assert "not valid JSON" in st["handover_error"], st
     assert any("could not be read" in e.get("event", "") for e in d.log_events())
     tagged = [p.pid for p in linux.scan() if p.state not in ("Z", "X")
-              and linux.read_environ_var(p.pid, "OMNID_UNIT") in ("talker", "b")]
+              and linux.read_environ_var(p.pid, "OMNID_UNIT") in ("talker", "b")
+              and linux.read_environ_var(p.pid, "OMNID_TEST_ID") == os.environ["OMNID_TEST_ID"]]  # not another test's
     assert sorted(tagged) == sorted(p for p, _s in new.values()), (tagged, new)
 
 

@@ -34,11 +34,13 @@ from pathlib import Path
 import pytest
 
 from tests.engines import vllm_env
-from tests.engines.vllm_stack import CPU_ENGINE_ARGS, MODEL_NAME, full_tree, serves, signal_proc
+from tests.engines.vllm_stack import CPU_ENGINE_ARGS, MODEL_NAME, StackSlots, full_tree, serves, signal_proc
 from omnid.cli.examples import probe_port
 from tests.harness import REPO, free_port, repo_pythonpath, wait_for
 
-pytestmark = pytest.mark.timeout(1500)
+# One xdist worker runs the module's rows in turn (each starts its own stack), and each row
+# holds a machine-wide slot per vLLM it starts (tests/engines/vllm_stack.StackSlots).
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.xdist_group("vllm-socket")]
 
 START_S = 480  # a (re)start on two loaded cores
 ADAPTER = REPO / "omnid" / "engines" / "vllm_listenfd.py"
@@ -162,6 +164,15 @@ def _running(port: int) -> float:
 def _cpus_of(pid: int) -> str:
     with open(f"/proc/{pid}/status") as f:
         return next(line.split(":", 1)[1].strip() for line in f if line.startswith("Cpus_allowed_list:"))
+
+
+@pytest.fixture
+def vllm_slots(request):
+    """One slot per vLLM instance the row starts, held until its daemon is closed (this
+    fixture is asked for before daemon_factory, so it is torn down after it)."""
+    callspec = getattr(request.node, "callspec", None)
+    with StackSlots(callspec.params.get("instances", 1) if callspec else 1) as slots:
+        yield slots
 
 
 def _write_example(tmp: Path, py, model, port: int, instances: int = 1) -> Path:
@@ -321,7 +332,7 @@ def _tree_gone(procs, timeout: float = 60) -> None:
 
 
 @pytest.mark.parametrize("backend", ["pgroup"])
-def test_fm40_api_server_sigkill_twice_refuses_no_connection(engine, daemon_factory, tmp_path, backend):
+def test_fm40_api_server_sigkill_twice_refuses_no_connection(engine, vllm_slots, daemon_factory, tmp_path, backend):
     py, model = engine
     port = free_port()
     stack_dir = _write_example(tmp_path, py, model, port)
@@ -359,7 +370,7 @@ def test_fm40_api_server_sigkill_twice_refuses_no_connection(engine, daemon_fact
 @pytest.mark.parametrize("backend", ["pgroup"])
 @pytest.mark.parametrize("instances", [2, 1])
 def test_fm40_enginecore_sigkill_on_one_held_socket_fails_no_request_after_it(
-        engine, daemon_factory, tmp_path, backend, instances):
+        engine, vllm_slots, daemon_factory, tmp_path, backend, instances):
     """With two instances the survivor answers what arrives after the kill at once; with one,
     it waits in the held backlog for the restart (the same assertion, another latency)."""
     py, model = engine

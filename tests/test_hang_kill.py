@@ -94,7 +94,9 @@ def test_an_operator_stop_of_a_stubborn_unit_takes_its_stacks_beside_and_sigkill
     summary = d.ok("stop", {"units": ["s"]})["summary"]
     took = time.monotonic() - t0
     rec = next(r for r in summary if r["unit"] == "s")
-    assert rec["escalated"] and 1.0 <= rec["seconds"] < 1.5, rec
+    # The SIGKILL at stop_timeout (1 s), not after the capture beside it (capture_timeout 2 s: a
+    # SIGKILL held back by it would come at 3 s or later); what a loaded machine adds is below that.
+    assert rec["escalated"] and 1.0 <= rec["seconds"] < 2.5, rec
     wait_for(lambda: d.ok("dump", {"unit": "s"})["captures"], 5, "the capture kept beside the stop")
     cap = d.ok("dump", {"unit": "s"})["captures"][-1]["capture"]
     assert cap["seconds"] <= 0.5 + 0.1, cap["seconds"]  # at most stop_timeout / 2: done by the SIGKILL

@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 
+from omnid.base import linux
 from omnid.model.units import check_stack
 from tests.harness import free_port, make_stack, wait_for
 
@@ -88,6 +89,10 @@ def test_instances_accept_on_one_held_socket_and_a_killed_one_leaves_its_backlog
     # answered by w@1; the one w@0 had accepted is lost with it.
     (d_tmp / "hold-0").write_text("")
     os.kill(p1, 19)
+    # Until w@1 has stopped, it still sleeps in accept(): the kernel would hand it the wake-up
+    # for the next connection (one sleeper woken per connection), w@0 would sleep on, and the
+    # connection wait in the backlog (seen under load).
+    wait_for(lambda: (st := linux.read_stat(p1)) is not None and st.state == "T", 30, "w@1 stopped")
     try:
         first = socket.create_connection(("127.0.0.1", port), timeout=5)
         wait_for(lambda: (_inode(p0, 4) or "").startswith("socket:"), 30,

@@ -61,6 +61,10 @@ class Client:
                     raise CliError(err.get("message") or "the daemon refused the request", code)
                 return reply.get("result")
             if not os.path.exists(self.control):
+                # The daemon removes its socket right after its last reply (reexec, shutdown),
+                # which can still be on its way here: a last look before saying it is gone.
+                if self.sock.poll(1000):
+                    continue
                 raise CliError(f"the daemon went away while answering {cmd!r}")
 
     def close(self) -> None:

@@ -56,8 +56,8 @@ def test_a_spawn_on_a_hung_mount_fails_after_its_bound_and_freezes_nothing_else(
     units = {f"w{i:02d}": 'exec = ["sleep", "1000"]\nrestart = "always"\nrestart_sec = 0.1\n' for i in range(N)}
     units["stuck"] = f'exec = ["sleep", "1000"]\ncwd = "{hung_mount}/models"\nrestart = "no"\n'
     env = {"OMNID_SPAWNER_PYTHON": "1"} if path == "python" else {}
+    t0 = time.monotonic()  # before the daemon: its first tier's spawns go out before its control socket is there
     d = daemon_factory(make_stack(units), env=env)
-    t0 = time.monotonic()
     ready = wait_for(lambda: next((e for e in d.log_events() if e.get("event") == "daemon ready"), None), 10,
                      "daemon ready")
     spawner = ready["spawner_pid"]

@@ -18,6 +18,7 @@ from pathlib import Path
 UNIT = "vllm"
 ADAPTER = "vllm_listenfd.py"
 MAX_INSTANCES = 10  # an instance's probe port is the shared port's tens digit + %i (see probe_listen)
+HTTP_BACKLOG = 4096  # the held socket's listen backlog: what waits out a restart (see the unit's comment)
 
 
 class ExampleError(Exception):
@@ -124,7 +125,9 @@ def vllm_unit(s: VllmStack, adapter: str | Path | None = None) -> str:
             f"# {ADAPTER} serves vLLM's API server on the socket below (vLLM binds its own port",
             "# otherwise): omnid holds it across every crash and restart, so a client that connects",
             "# while vLLM restarts waits in its backlog instead of being refused. Every argument after",
-            "# the launcher's path is vLLM's own.",
+            "# the launcher's path is vLLM's own. The backlog (4096, the kernel's usual somaxconn) is",
+            "# what waits out a restart: at 20 new connections a second it holds 200 s of one; past it,",
+            "# new connections wait on their SYN retries and time out instead.",
         ]
     else:
         out.append("# vLLM binds its port itself: between a crash and the next start, connections are refused.")
@@ -145,11 +148,11 @@ def vllm_unit(s: VllmStack, adapter: str | Path | None = None) -> str:
                 "# (vLLM binds every instance's Worker to core 0: a restarting instance would load on the",
                 "# core the others serve on); VLLM_CPU_OMP_THREADS_BIND in `env` places them yourself.",
                 f"instances = {s.instances}",
-                f'sockets = [{{ listen = "127.0.0.1:{s.port}", name = "http" }}, '
+                f'sockets = [{{ listen = "127.0.0.1:{s.port}", name = "http", backlog = {HTTP_BACKLOG} }}, '
                 f'{{ listen = "{probe_listen(s.port)}", name = "probe" }}]',
             ]
         else:
-            out.append(f'sockets = [{{ listen = "127.0.0.1:{s.port}", name = "http" }}]')
+            out.append(f'sockets = [{{ listen = "127.0.0.1:{s.port}", name = "http", backlog = {HTTP_BACKLOG} }}]')
     out += [
         "# vLLM's /health answers 200 once the engine is up and the server listens.",
         f'ready = {{ http = "{probe}/health" }}',

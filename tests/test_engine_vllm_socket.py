@@ -2,7 +2,7 @@
 writes it, on vLLM's CPU build with the tiny local model (tests/engines/vllm_env.py finds or
 makes both; the module skips with the reason where vLLM cannot run).
 
-  1. one instance: a client connects every 50 ms across two SIGKILLs of the API server ->
+  1. one instance: a client connects every 100 ms across two SIGKILLs of the API server ->
      0 connections refused (they wait in omnid's backlog); refused, reset, answered and the
      time to serving again are printed;
   2. `instances = 2` on one held socket: a SIGKILL of one instance's EngineCore (found in
@@ -359,7 +359,7 @@ def test_fm40_api_server_sigkill_twice_refuses_no_connection(engine, vllm_slots,
             wait_for(lambda: conn.counts(since=time.monotonic() - 2).get("answered", 0) > 5, 60,
                      "answers again after the restart")
     totals = conn.counts()
-    print(f"\nFM-40 {backend}, one instance on a held socket, a connection every 50 ms:")
+    print(f"\nFM-40 {backend}, one instance on a held socket, a connection every {conn.every * 1000:.0f} ms:")
     for k in kills:
         print(f"  API server SIGKILL: {k}")
     print(f"  all: {totals}")

@@ -38,8 +38,8 @@ sys.path.insert(0, str(REPO))
 
 from omnid.base import linux  # noqa: E402
 from tests.engines import vllm_env  # noqa: E402
-from tests.engines.vllm_stack import (Load, Tree, abort_storm, full_tree, metrics, serves, signal_proc,  # noqa: E402
-                                      unit_toml, vllm_health)
+from tests.engines.vllm_stack import (Load, Tree, abort_storm, full_tree, metrics, port_with_free_probes,  # noqa: E402
+                                      serves, signal_proc, unit_toml, vllm_health)
 from tests.harness import Daemon, free_port, make_stack  # noqa: E402
 
 VENVS = REPO / "bench" / ".venvs"
@@ -78,29 +78,6 @@ def unit_argv_env(py: Path, model: Path, port: int) -> tuple[list[str], dict[str
 
     u = tomllib.loads(unit_toml(py, model, port, held_socket=False))
     return u["exec"], u["env"]
-
-
-def port_with_free_probes(instances: int) -> int:
-    """A free port whose instances' probe ports (omnid.cli.examples.probe_port) are free too."""
-    import socket
-
-    from omnid.cli.examples import probe_port
-
-    for _ in range(50):
-        port = free_port()
-        socks = []
-        try:
-            for i in range(instances):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", probe_port(port, i)))
-            return port
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise SystemExit("no port with free probe ports found")
 
 
 # ------------------------------------------------------------------ the three ways to run it

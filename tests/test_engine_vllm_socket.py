@@ -34,7 +34,8 @@ from pathlib import Path
 import pytest
 
 from tests.engines import vllm_env
-from tests.engines.vllm_stack import CPU_ENGINE_ARGS, MODEL_NAME, StackSlots, full_tree, serves, signal_proc
+from tests.engines.vllm_stack import (CPU_ENGINE_ARGS, MODEL_NAME, StackSlots, full_tree, port_with_free_probes, serves,
+                                      signal_proc)
 from omnid.cli.examples import probe_port
 from tests.harness import REPO, free_port, repo_pythonpath, wait_for
 
@@ -188,31 +189,6 @@ def _write_example(tmp: Path, py, model, port: int, instances: int = 1) -> Path:
                        timeout=60, cwd=str(REPO), env=dict(os.environ, PYTHONPATH=repo_pythonpath()))
     assert c.returncode == 0, c
     return d
-
-
-def _port_with_free_probes(instances: int) -> int:
-    """A free port whose instances' probe ports (its tens + 1, then the number) are free too."""
-    import socket
-
-    from omnid.cli.examples import probe_port
-
-    for _ in range(50):
-        port = free_port()
-        if port > 65000:
-            continue
-        socks = []
-        try:
-            for i in range(instances):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", probe_port(port, i)))
-            return port
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise AssertionError("no port with free probe ports found")
 
 
 # --------------------------------------------------------------------------- clients
@@ -377,7 +353,7 @@ def test_fm40_enginecore_sigkill_on_one_held_socket_fails_no_request_after_it(
     """With two instances the survivor answers what arrives after the kill at once; with one,
     it waits in the held backlog for the restart (the same assertion, another latency)."""
     py, model = engine
-    port = _port_with_free_probes(instances)
+    port = port_with_free_probes(instances)
     stack_dir = _write_example(tmp_path, py, model, port, instances=instances)
     d = _daemon(daemon_factory, stack_dir, backend)
     names = [f"vllm@{i}" for i in range(instances)] if instances > 1 else ["vllm"]

@@ -116,6 +116,33 @@ class StackSlots:
         self.fds.clear()
 
 
+def port_with_free_probes(instances: int) -> int:
+    """A free port whose instances' probe ports (omnid.cli.examples.probe_port: its tens + 1,
+    then the number) are free too."""
+    import socket
+
+    from omnid.cli.examples import probe_port
+    from tests.harness import free_port
+
+    for _ in range(50):
+        port = free_port()
+        if port > 65000:
+            continue
+        socks = []
+        try:
+            for i in range(instances):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", probe_port(port, i)))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no port with free probe ports found")
+
+
 # The suite's sizes for vLLM's CPU build and a tiny model on two loaded cores; everything else
 # is what `omnid example vllm` writes (omnid.cli.examples).
 CPU_ENGINE_ARGS = (

@@ -571,6 +571,9 @@ class Omnid(Adapter):
     exe: Path = REPO_DIR / ".venv" / "bin" / "omnid"
     restart_sec: str = "0"
     pin_backoff: bool = True
+    # The peers run at the nice value they were started with: so does omnid here, so that the
+    # ratios compare the code, not the scheduler's weights (omnid's default is daemon_nice -10).
+    settings: str = "daemon_nice = 0\n"
 
     @classmethod
     def prepare(cls, ctx: Ctx) -> dict:
@@ -652,6 +655,8 @@ class Omnid(Adapter):
                 "start_limit_interval = 1",
             ]
             (stack / f"{p.name}.toml").write_text("\n".join(body) + "\n")
+        if self.settings:
+            (stack / "omnid.toml").write_text(self.settings)
 
     def env(self) -> dict[str, str]:
         env = super().env()
@@ -725,6 +730,7 @@ class OmnidBaseline(Omnid):
     same run, interleaved with the current one: before/after figures under the same load."""
 
     name = "omnid-base"
+    settings = ""  # its omnid.toml may not know daemon_nice (builds before it ran at nice 0 anyway)
 
     @classmethod
     def prepare(cls, ctx: Ctx) -> dict:

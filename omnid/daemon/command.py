@@ -29,6 +29,7 @@ from omnid.model import settings
 from omnid.api.control import ControlError, prepare_socket_dir
 from omnid.daemon.main import Daemon
 from omnid.base.ownership import UnsafePath, check_private_dir, raise_nofile_limit
+from omnid.base.priority import raise_daemon_priority
 from omnid.model.settings import DaemonConfig
 from omnid.process.spawnclient import SpawnerGone
 from omnid.process.spawnstart import SpawnerProcess
@@ -123,6 +124,7 @@ def _start_fresh(udir: str, control: str | None, state_dir: str | None, health_l
     # After the spawner's exec, so units keep the usual soft limit: health connections,
     # pidfds and pipes must not run libzmq out of fds (it aborts on EMFILE).
     raise_nofile_limit()
+    _take_priority(daemon, stack)
     try:
         return runloop.run(daemon.start_fresh())
     except SpawnerGone as exc:
@@ -149,12 +151,22 @@ def _continue_after_reexec(rec: dict) -> int | None:
     if rec["cgroup"] is not None:
         daemon.cgroups = cgroup_mod.CgroupRoot.take_over(rec["cgroup"])
     raise_nofile_limit()
+    _take_priority(daemon, stack)  # kept across the exec; set again if daemon_nice changed
     log.info("taking over from the previous program", from_version=rec["from_version"],
              to_version=rec["to_version"], reexecs=daemon.reexecs)
     try:
         return runloop.run(daemon.continue_after_reexec(rec))
     finally:
         os.close(daemon.lock_fd)
+
+
+def _take_priority(daemon: Daemon, stack) -> None:  # noqa: ANN001 - omnid.model.units.Stack
+    """After the spawner's exec (so the units keep the nice value omnid was started with) and
+    before the loop's threads: the daemon's own nice value, omnid.toml `daemon_nice`."""
+    want = stack.settings.daemon_nice
+    daemon.nice, why = raise_daemon_priority(want)
+    if why:
+        log.warning("the daemon's priority is not raised", nice=daemon.nice, daemon_nice=want, why=why)
 
 
 def _forget_the_previous_program(cfg: DaemonConfig, udir: str, why: str) -> None:

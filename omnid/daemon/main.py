@@ -84,7 +84,7 @@ class Daemon(DaemonParts):
             await self._start_first_tier()
         self._bring_up_the_rest()
         log.info("daemon ready", units_dir=self.cfg.units_dir, control=self.cfg.control,
-                 health=self.cfg.health_listen, units=len(self.sup.units), spawner_pid=self.spawner.pid,
+                 health=self.cfg.health_listen, units=len(self.sup.units), spawner_pid=self.spawner.pid, nice=self.nice,
                  reexecs=self.reexecs, handover_ms=self.handover_ms)
         return await self._serve(health_sock, settled=False)
 
@@ -112,7 +112,7 @@ class Daemon(DaemonParts):
         self._bring_up_the_rest()
         self.handover_ms = round((time.monotonic() - float(record["exec_at"])) * 1000, 1)
         log.info("daemon re-executed: every unit taken over", units_dir=self.cfg.units_dir, control=self.cfg.control,
-                 health=self.cfg.health_listen, units=len(self.sup.units), spawner_pid=self.spawner.pid,
+                 health=self.cfg.health_listen, units=len(self.sup.units), spawner_pid=self.spawner.pid, nice=self.nice,
                  reexecs=self.reexecs, handover_ms=self.handover_ms)
         return await self._serve(health_sock, settled=record["settled"])
 
@@ -314,7 +314,7 @@ class Daemon(DaemonParts):
         """What `status --json` says of the daemon program itself."""
         from omnid.version import version
 
-        out = {"version": version(), "reexecs": self.reexecs, "program_since": self.program_since,
+        out = {"version": version(), "reexecs": self.reexecs, "program_since": self.program_since, "nice": self.nice,
                **({"handover_ms": self.handover_ms} if self.handover_ms is not None else {})}
         if self.cluster is not None:
             out["cluster"] = self.cluster.status()

@@ -59,6 +59,7 @@ class DaemonParts:
         self.control_reader: DaemonTask | None = None  # omnid.daemon.fronts
         self.health_task: asyncio.Task | None = None  # omnid.daemon.fronts
         self.reexecs = 0  # how many times this daemon replaced its own program (omnid reexec)
+        self.nice: int | None = None  # the daemon's nice value, once set (omnid.base.priority)
         self.program_since = time.time()  # when this program of the daemon began (a re-exec begins another)
         self.handover_ms: float | None = None  # exec -> every unit taken over, at the last re-exec
         self.handlers: ControlHandlers | None = None  # once the first tier is out

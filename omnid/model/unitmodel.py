@@ -318,6 +318,9 @@ class Unit:
         return env
 
 
+DEFAULT_DAEMON_NICE = -10
+
+
 class LogFormat(StrEnum):
     JSON = "json"
     CONSOLE = "console"
@@ -340,6 +343,10 @@ class DaemonSettings:
     # here: that module reads unit-file errors from this one)
     cluster: object | None = None
     exit_when_failed: bool = False  # stop the stack and exit 1 once a unit failed for good
+    # The daemon's own nice value (its threads'; the units keep the one omnid was started with):
+    # a supervisor whose units spin every core must still detect a death, answer /health and
+    # renew its cluster lease in milliseconds (omnid.base.ownership.raise_daemon_priority).
+    daemon_nice: int = DEFAULT_DAEMON_NICE
 
 
 @dataclass(frozen=True, eq=False)

@@ -221,7 +221,11 @@ class Daemon:
         self.state_dir = self.workdir / "state"
         self.health_port = free_port()
         self.log_path = self.workdir / "daemon.log"
-        self.env = dict(os.environ, **(env or {}))
+        # The daemons under test at the suite's own priority (not omnid.toml's default -10): a
+        # test's observers (clients, flooders, the leftovers it watches) share the CPU with them
+        # as before, and eight workers' busy daemons do not starve the rest of a parallel run.
+        # tests/test_daemon_priority.py and the cluster hosts (tests/netns.py) run the default.
+        self.env = dict(os.environ, **{"OMNID_DAEMON_NICE": "0", **(env or {})})
         self.python = python or sys.executable
         self.cwd = str(cwd or REPO)  # `python -m omnid` runs the omnid found here first
         self.proc: subprocess.Popen | None = None

@@ -325,7 +325,9 @@ class HostDaemon(Daemon):
     """An omnid daemon inside one host's namespace (its control socket is a file: reachable)."""
 
     def __init__(self, bed: Testbed, host: str, units_dir: Path) -> None:
-        super().__init__(units_dir)
+        # At omnid.toml's default priority (-10), as on a real host: a keepalive answered late
+        # fences a host, and these daemons share two cores with a parallel suite.
+        super().__init__(units_dir, env={"OMNID_DAEMON_NICE": ""})
         self.bed, self.host = bed, host
 
     def argv(self) -> list[str]:

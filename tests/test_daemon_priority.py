@@ -15,6 +15,7 @@ from omnid.model.units import StackInvalid, load_stack
 from tests.harness import Daemon, make_stack, wait_for
 
 SLEEP = 'exec = ["sleep", "1000"]\n'
+DEFAULT = {"OMNID_DAEMON_NICE": ""}  # the harness runs its daemons at 0: here, omnid.toml and its default
 
 
 def nice_of(pid: int, tid: int | None = None) -> int:
@@ -36,7 +37,7 @@ def started_at() -> int:
 @pytest.mark.skipif(os.geteuid() != 0, reason="raising a priority needs root (CAP_SYS_NICE)")
 @pytest.mark.parametrize("setting, expect", [(None, -10), ("daemon_nice = -4", -4), ("daemon_nice = 0", 0)])
 def test_daemon_threads_take_daemon_nice_units_keep_ours_across_reexec(setting, expect) -> None:
-    d = Daemon(make_stack({"s": SLEEP}, settings=setting)).start()
+    d = Daemon(make_stack({"s": SLEEP}, settings=setting), env=DEFAULT).start()
     try:
         d.wait_all_active()
         ours = started_at()
@@ -87,7 +88,7 @@ class DaemonWithoutCapSysNice(Daemon):
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
                     reason="needs root and setpriv(1) (util-linux) to take CAP_SYS_NICE away")
 def test_without_cap_sys_nice_the_daemon_says_why_and_runs_at_its_own_value() -> None:
-    d = DaemonWithoutCapSysNice(make_stack({"s": SLEEP})).start()
+    d = DaemonWithoutCapSysNice(make_stack({"s": SLEEP}), env=DEFAULT).start()
     try:
         d.wait_all_active()
         ours = started_at()
@@ -95,6 +96,26 @@ def test_without_cap_sys_nice_the_daemon_says_why_and_runs_at_its_own_value() ->
         assert set(threads_nice(d.pid).values()) == {ours}, threads_nice(d.pid)
         said = [e for e in d.log_events() if e.get("event") == "the daemon's priority is not raised"]
         assert said and said[0]["daemon_nice"] == -10 and "needs CAP_SYS_NICE" in said[0]["why"], d.log()[-2000:]
+    finally:
+        d.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a priority needs root (CAP_SYS_NICE)")
+def test_the_environment_overrides_omnid_toml() -> None:
+    d = Daemon(make_stack({"s": SLEEP}, settings="daemon_nice = -4"), env={"OMNID_DAEMON_NICE": "-7"}).start()
+    try:
+        d.wait_all_active()
+        assert d.ok("status")["daemon"]["nice"] == -7 and set(threads_nice(d.pid).values()) == {-7}
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize("value", ["-21", "high", "1.5"])
+def test_a_bad_environment_value_is_refused_by_name(value: str) -> None:
+    d = Daemon(make_stack({"s": SLEEP}), env={"OMNID_DAEMON_NICE": value}).start(wait=False)
+    try:
+        assert d.wait_exit(30) == 2, d.log()
+        assert f"omnid: OMNID_DAEMON_NICE: expected an integer from -20 to 19, got {value!r}" in d.log(), d.log()
     finally:
         d.close()
 

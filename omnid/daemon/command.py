@@ -85,6 +85,11 @@ def _start_fresh(udir: str, control: str | None, state_dir: str | None, health_l
         return 2
     cfg = settings.resolve(units_dir=udir, control=control, state_dir=state_dir, health_listen=health_listen,
                            log_format=log_format, cgroup_root=cgroup_root, stack_settings=stack.settings)
+    try:
+        nice = settings.daemon_nice(stack.settings)
+    except ValueError as exc:
+        print(f"omnid: {exc}", file=sys.stderr)
+        return 2
     logconfig.configure(cfg.log_format, log_file=log_file)
     linux.mark_fds_non_inheritable()
     _set_title(cfg)
@@ -124,7 +129,7 @@ def _start_fresh(udir: str, control: str | None, state_dir: str | None, health_l
     # After the spawner's exec, so units keep the usual soft limit: health connections,
     # pidfds and pipes must not run libzmq out of fds (it aborts on EMFILE).
     raise_nofile_limit()
-    _take_priority(daemon, stack)
+    _take_priority(daemon, nice)
     try:
         return runloop.run(daemon.start_fresh())
     except SpawnerGone as exc:
@@ -151,7 +156,12 @@ def _continue_after_reexec(rec: dict) -> int | None:
     if rec["cgroup"] is not None:
         daemon.cgroups = cgroup_mod.CgroupRoot.take_over(rec["cgroup"])
     raise_nofile_limit()
-    _take_priority(daemon, stack)  # kept across the exec; set again if daemon_nice changed
+    try:
+        nice = settings.daemon_nice(stack.settings)
+    except ValueError as exc:
+        nice = stack.settings.daemon_nice
+        log.error("the daemon's priority: the environment's value is not used", error=str(exc), nice=nice)
+    _take_priority(daemon, nice)  # kept across the exec; set again if daemon_nice changed
     log.info("taking over from the previous program", from_version=rec["from_version"],
              to_version=rec["to_version"], reexecs=daemon.reexecs)
     try:
@@ -160,10 +170,9 @@ def _continue_after_reexec(rec: dict) -> int | None:
         os.close(daemon.lock_fd)
 
 
-def _take_priority(daemon: Daemon, stack) -> None:  # noqa: ANN001 - omnid.model.units.Stack
+def _take_priority(daemon: Daemon, want: int) -> None:
     """After the spawner's exec (so the units keep the nice value omnid was started with) and
-    before the loop's threads: the daemon's own nice value, omnid.toml `daemon_nice`."""
-    want = stack.settings.daemon_nice
+    before the loop's threads: the daemon's own nice value (settings.daemon_nice)."""
     daemon.nice, why = raise_daemon_priority(want)
     if why:
         log.warning("the daemon's priority is not raised", nice=daemon.nice, daemon_nice=want, why=why)

@@ -115,6 +115,25 @@ def resolve(*, units_dir: str | None = None, control: str | None = None, state_d
                         cfg.cgroup_root, tuple(sources))
 
 
+NICE_ENV = "OMNID_DAEMON_NICE"
+
+
+def daemon_nice(stack_settings, env: Mapping[str, str] | None = None) -> int:
+    """The daemon's own nice value: $OMNID_DAEMON_NICE, else omnid.toml `daemon_nice` (whose
+    default is -10). ValueError naming the variable when it is not an integer from -20 to 19."""
+    env = os.environ if env is None else env
+    text = env.get(NICE_ENV)
+    if text is None or text == "":
+        return stack_settings.daemon_nice
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = None
+    if value is None or not -20 <= value <= 19:
+        raise ValueError(f"{NICE_ENV}: expected an integer from -20 to 19, got {text!r}")
+    return value
+
+
 def load_and_resolve(**flags) -> tuple[object, DaemonConfig]:
     """Load the stack (StackInvalid propagates) and resolve against its omnid.toml."""
     from omnid.model.units import load_stack

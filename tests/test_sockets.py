@@ -189,9 +189,16 @@ def test_a_socket_that_cannot_be_bound_is_a_named_failure_and_a_check_error(daem
 def restart_under_load(d, port: int, times: int) -> dict:
     with Clients(port) as clients:
         wait_for(lambda: clients.answered > 20, 15, "clients answered before the restarts")
-        for _ in range(times):
+        for i in range(times):
+            seen = set(clients.pids)
             res = d.ok("restart", {"units": ["u"]}, timeout=60)
             assert res["ok"], res
+            # Until a process that never answered before answers: the restart replaced the
+            # process (counting answers is not enough: under load the old one, stopping, or
+            # the backlog's last connections can supply them).
+            wait_for(lambda: clients.pids - seen, 30,
+                     lambda: f"an answer from a new process after restart {i + 1} (unit: {d.unit('u')}, "
+                             f"clients: {clients.counts()})")
             n = clients.answered
             wait_for(lambda: clients.answered > n + 20, 15, "answers after a restart")
     return clients.counts()

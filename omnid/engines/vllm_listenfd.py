@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 
 SD_LISTEN_FDS_START = 3  # sd_listen_fds(3): the first passed fd
 
@@ -66,6 +67,9 @@ def passed_sockets(environ: dict[str, str] = os.environ) -> list[socket.socket]:
     return out
 
 
+STOPPED_ACCEPTING = "the engine died: this API server stopped accepting"
+
+
 def stop_accepting_when_the_engine_dies(interval: float = 0.02) -> None:
     """vLLM's watchdog (launcher.watchdog_loop) looks every 5 s; until then a server whose
     engine died keeps accepting, and answers 500. On a socket shared with other instances
@@ -82,6 +86,9 @@ def stop_accepting_when_the_engine_dies(interval: float = 0.02) -> None:
             if engine.errored and not engine.is_running:
                 for listener in getattr(server, "servers", ()):
                     listener.close()  # this process's accepts stop; the socket stays held by omnid
+                # When, on the host's monotonic clock: a connection begun after it waits for the
+                # next server; one this server accepted before it gets vLLM's own 500.
+                print(f"{STOPPED_ACCEPTING} (monotonic {time.monotonic():.3f})", file=sys.stderr, flush=True)
                 launcher.terminate_if_errored(server, engine)
                 return
 

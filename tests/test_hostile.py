@@ -325,12 +325,19 @@ def test_fds_whose_close_waits_sent_to_the_notify_socket_do_not_stop_the_loop(da
     linger, socks = 20, []
     try:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        for _ in range(3):  # more than one: one stuck close must not hold up the next
-            c, srv, peer = lingering_tcp_socket(linger)
-            socks += [srv, peer]
-            s.sendmsg([b"FDSTORE=1\nREADY=1"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                                  struct.pack("i", c.fileno()))], socket.MSG_DONTWAIT, addr)
-            c.close()  # the daemon's copy is the last one now: its close() lingers
+        # The daemon stopped while the datagrams are sent and our copies closed: otherwise, under
+        # load, it could receive and close its copy first, and then ours would be the last one
+        # (whose close lingers) and its close would take no time (seen twice in parallel runs).
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            for _ in range(3):  # more than one: one stuck close must not hold up the next
+                c, srv, peer = lingering_tcp_socket(linger)
+                socks += [srv, peer]
+                s.sendmsg([b"FDSTORE=1\nREADY=1"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                      struct.pack("i", c.fileno()))], socket.MSG_DONTWAIT, addr)
+                c.close()  # the copy in the datagram is the last one now: the daemon's close() lingers
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
         s.close()
         wait_for(lambda: d.ok("status")["daemon"]["notify"]["dropped_foreign"] >= 3, 5, "the datagrams dropped")
         t0 = time.monotonic()

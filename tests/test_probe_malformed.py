@@ -439,7 +439,10 @@ def test_a_page_near_the_cap_is_parsed_off_the_loop():
 
     got, took, gap = asyncio.run(run())
     assert got == (7.0, {"busy": None}), got
-    assert gap < 0.5, f"the loop stood still for {gap * 1000:.0f} ms during a {took:.2f} s scrape"
+    # Parsed on the loop, the loop would stand still for about the whole scrape (1.5 s quiet,
+    # 7.9 s at load 26); off it, its longest wait is the scheduler's (515 ms was seen at load
+    # 26 while the scrape took 7.9 s): bounded by a quarter of the scrape, and 0.5 s when quiet.
+    assert gap < max(0.5, took / 4), f"the loop stood still for {gap * 1000:.0f} ms during a {took:.2f} s scrape"
     print(f"\n{len(page) / 1e6:.1f} MB page: scraped in {took:.2f} s; the loop's longest wait {gap * 1000:.0f} ms")
 
 

@@ -13,8 +13,10 @@ makes both; the module skips with the reason where vLLM cannot run).
      more than 480 s in 2 of 3 runs); with one instance, the same fault for comparison:
      requests wait out the restart in the held backlog.
 
-A vLLM start costs ~40 s of CPU on two cores: the module starts three (one, then two
-instances) and restarts each killed one once per fault. Every process is checked in /proc.
+A vLLM start costs ~45 s of CPU on two cores: the module starts one stack of one instance,
+which takes the API server's two SIGKILLs and then the one-instance EngineCore row's (three
+restarts on the same held socket), and one of two instances; each fault costs one restart.
+Every process is checked in /proc.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from tests.engines import vllm_env
 from tests.engines.vllm_stack import (CPU_ENGINE_ARGS, MODEL_NAME, StackSlots, full_tree, port_with_free_probes, serves,
                                       signal_proc)
 from omnid.cli.examples import probe_port
-from tests.harness import REPO, free_port, repo_pythonpath, wait_for
+from tests.harness import REPO, Daemon, repo_pythonpath, wait_for
 
 # One xdist worker runs the module's rows in turn (each starts its own stack), and each row
 # holds a machine-wide slot per vLLM it starts (tests/engines/vllm_stack.StackSlots).
@@ -321,12 +323,53 @@ def _tree_gone(procs, timeout: float = 60) -> None:
              lambda: "the killed tree gone: left " + ", ".join(f"{p.pid} {p.comm}" for p in procs if p.present()))
 
 
-@pytest.mark.parametrize("backend", ["pgroup"])
-def test_fm40_api_server_sigkill_twice_refuses_no_connection(engine, vllm_slots, daemon_factory, tmp_path, backend):
-    py, model = engine
-    port = free_port()
-    stack_dir = _write_example(tmp_path, py, model, port)
-    d = _daemon(daemon_factory, stack_dir, backend)
+class OneInstance:
+    """The one-instance stack (pgroup) that the API-server row and then the one-instance
+    EngineCore row take their faults on, in file order: a fresh vLLM start is ~45 s of CPU
+    and, in a parallel run, minutes of this module's worker, which is the run's longest."""
+
+    def __init__(self, engine, module_test_id: str, workdir: Path) -> None:
+        py, model = engine
+        self.port = port_with_free_probes(1)
+        env = {"OMNID_CHECK_INVARIANTS": "1", "INVOCATION_ID": "", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "OMNID_TEST_CGROUP": "0", "OMNID_TEST_ID": module_test_id}
+        self.slot = StackSlots(1).__enter__()
+        self.d = Daemon(_write_example(workdir, py, model, self.port), env=env)
+        try:
+            self.d.start()
+            self.d.ok("status")  # the control socket opened now, before a row's fd baseline
+        except BaseException:
+            self.close()
+            raise
+        self.closed = False
+
+    def for_row(self, request) -> Daemon:
+        request.node.omnid_daemons = [self.d]  # its log's tail in a failing row's report
+        return self.d
+
+    def close(self) -> None:
+        """After its last row (or at the module's end): its daemon stopped, its state checked."""
+        if getattr(self, "closed", False):
+            return
+        self.closed = True
+        try:
+            self.d.close()
+            bad = self.d.invariant_violations()
+            assert not bad, "the daemon's state disagreed with the kernel:\n" + "\n".join(bad[:10])
+        finally:
+            self.slot.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def one_instance(engine, module_test_id, tmp_path_factory):
+    stack = OneInstance(engine, module_test_id, tmp_path_factory.mktemp("one-instance"))
+    yield stack
+    stack.close()
+
+
+def test_fm40_api_server_sigkill_twice_refuses_no_connection(one_instance, request):
+    backend = "pgroup"
+    d, port = one_instance.for_row(request), one_instance.port
     pid = _serving(d, "vllm", port)
     kills = []
     # 10 connections a second: the held backlog (4096) waits out 400 s of a restart, which a
@@ -361,15 +404,20 @@ def test_fm40_api_server_sigkill_twice_refuses_no_connection(engine, vllm_slots,
 
 
 @pytest.mark.parametrize("backend", ["pgroup"])
-@pytest.mark.parametrize("instances", [2, 1])
+@pytest.mark.parametrize("instances", [1, 2])
 def test_fm40_enginecore_sigkill_on_one_held_socket_fails_no_request_after_it(
-        engine, vllm_slots, daemon_factory, tmp_path, backend, instances):
+        engine, request, tmp_path, backend, instances):
     """With two instances the survivor answers what arrives after the kill at once; with one,
-    it waits in the held backlog for the restart (the same assertion, another latency)."""
-    py, model = engine
-    port = port_with_free_probes(instances)
-    stack_dir = _write_example(tmp_path, py, model, port, instances=instances)
-    d = _daemon(daemon_factory, stack_dir, backend)
+    it waits in the held backlog for the restart (the same assertion, another latency). One
+    instance: the API-server row's stack, its third restart on the same held socket."""
+    if instances == 1:
+        one = request.getfixturevalue("one_instance")
+        d, port = one.for_row(request), one.port
+    else:
+        request.getfixturevalue("vllm_slots")  # asked before daemon_factory: torn down after it
+        port = port_with_free_probes(instances)
+        d = _daemon(request.getfixturevalue("daemon_factory"), _write_example(tmp_path, engine[0], engine[1], port,
+                                                                             instances=instances), backend)
     names = [f"vllm@{i}" for i in range(instances)] if instances > 1 else ["vllm"]
     pids = {u: _serving(d, u, port, timeout=START_S * instances) for u in names}
     fd3 = {u: os.readlink(f"/proc/{p}/fd/3") for u, p in pids.items()}
@@ -454,3 +502,5 @@ def test_fm40_enginecore_sigkill_on_one_held_socket_fails_no_request_after_it(
     assert all(r.outcome != 200 for r in doomed), \
         f"a long completion on the killed {victim_unit} was answered: {[(r.end - t_kill, r.outcome) for r in doomed]}"
     assert os.readlink(f"/proc/{new0}/fd/3") == fd3[victim_unit], f"the new {victim_unit} accepts on the held socket"
+    if instances == 1:
+        request.getfixturevalue("one_instance").close()  # its last row: its vLLM's memory and slot go now

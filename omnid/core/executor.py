@@ -14,7 +14,6 @@ cancelled (the child would be lost): its outcome is always fed.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import signal
 import time
 from collections.abc import Callable, Coroutine
@@ -23,19 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from omnid.base import closer, linux
+from omnid.base import linux
 from omnid.process.cgroup import CgroupTarget
-from omnid.core import groups, policy, spawning
-from omnid.core.cleanup import CannotPrepare
+from omnid.core import groups, launch, policy
 from omnid.core.lifecycle import (Action, ArmTimer, Capture, CountStart, Ctx, DecideRestart, Drain, Event, Phase,
                                   Publish, RecordFailure, Release, ReportUnkillable, Signal, Spawn, StartMonitors,
                                   UnitState, WaitRelease, WatchGone, WatchReady)
 from omnid.core.runtime import UnitRuntime
 from omnid.process.handle import ProcessHandle
-from omnid.process.sockets import BindError
-from omnid.process.spawnclient import SpawnError
 from omnid.base.tasks import unit_task
-from omnid.process.termination import ProcessGroupTarget, Target, Termination, terminate
+from omnid.process.termination import ProcessGroupTarget, Target, Termination
 from omnid.core.centre import Centre
 
 if TYPE_CHECKING:  # set by the supervisor and the daemon after the executor is made
@@ -53,10 +49,6 @@ TIMER_EVENTS = {"ready_timeout": E.NOT_READY, "stop_timeout": E.STOP_TIMEOUT, "k
                 "capture_timeout": E.CAPTURED, "capture_due": E.CAPTURE_DUE, "drain_timeout": E.DRAINED,
                 "leftover_timeout": E.STOP_TIMEOUT, "abort_timeout": E.STOP_TIMEOUT}
 EXIT_STATUS_WAIT_S = 2.0  # pidfd readable -> the spawner's exit report; then "status unknown"
-# A spawn request -> the spawner's answer, at most: the spawner's own bound from fork to exec
-# (omnid.spawner.SPAWN_EXEC_TIMEOUT_S, 10 s) and a margin. Past it the unit's spawn fails; a late
-# answer is a process no unit owns, killed by the spawner (SpawnerClient._kill_unowned).
-SPAWN_REPLY_TIMEOUT_S = 15.0
 
 
 @dataclass
@@ -181,96 +173,8 @@ class Executor:
         w = self.of(rt)
         w.term = None
         self.unsent.add(rt.name)
-        self.run_for(rt, "spawn", self._spawn_task(rt, w.start_reason))
-
-    async def _spawn_task(self, rt: UnitRuntime, reason: str) -> None:
-        try:
-            await self._spawn_prepared(rt, reason)
-        finally:
-            self.unsent.discard(rt.name)
-
-    async def _spawn_prepared(self, rt: UnitRuntime, reason: str) -> None:
-        sup, spec = self.sup, rt.spec
-        refusal = spawning.gpu_refusal(spec, sup.gpu)
-        if refusal is None and spec.gpus and sup.gpu_on():
-            # NVML reads run off the loop (a hung driver must not stall it)
-            ours = {x.proc.pid for x in sup.units.values() if x.proc is not None}
-            refusal = await asyncio.to_thread(spawning.gpu_held_by_leftover, spec, sup.gpu, ours)
-        if refusal:
-            sup.feed(rt, E.SPAWN_FAILED, refusal)
-            return
-        residue = sup.cgroups.residue(rt.name) if sup.cgroups else None
-        if residue is not None:  # what an unkillable previous instance left in its cgroup
-            log.warning("killing residue in a unit's cgroup before its start", unit=rt.name, cgroup=residue.path)
-            await terminate(residue, signal.SIGKILL, spec.kill_timeout, 0.0, send_cont=False)
-        extra = dict(groups.environment(sup, rt))
-        listen: list[int] = []
-        names: list[str] = []
-        if spec.sockets:
-            try:  # bound before the unit's first start, held from then on (omnid.process.sockets)
-                listen, names = sup.sockets.fds_for(spec)
-            except BindError as exc:
-                sup.feed(rt, E.SPAWN_FAILED, str(exc))
-                return
-        stored: list[int] = []
-        if sup.fdstore.count(rt.name):  # a limit lowered (to 0 too) by a reload closes the rest here
-            try:  # copies, closed once sent: a stored fd may hang up (and close) meanwhile
-                stored, stored_names = sup.fdstore.dup_for(rt.name)
-            except OSError as exc:
-                sup.feed(rt, E.SPAWN_FAILED, f"cannot copy the unit's stored fds: {exc.strerror}")
-                return
-            listen, names = [*listen, *stored], [*names, *stored_names]  # after its sockets, as systemd
-        if listen:
-            extra = {**extra, "LISTEN_FDS": str(len(listen)), "LISTEN_FDNAMES": ":".join(names)}
-        try:
-            await self._spawn_with(rt, reason, extra, listen)
-        finally:
-            for fd in stored:  # the last reference if the store dropped it meanwhile: off the loop
-                closer.close(fd)
-
-    async def _spawn_with(self, rt: UnitRuntime, reason: str, extra: dict[str, str], listen: list[int]) -> None:
-        sup, spec = self.sup, rt.spec
-        try:
-            if self.cleanup is not None:  # the previous instance's leftovers gone; TMPDIR
-                extra = {**await self.cleanup.before_spawn(rt), **extra}
-            env = spawning.environ(spec, sup.notify_socket, sup.token, extra)
-            prep = spawning.prepare(spec, env=env, cgroups=sup.cgroups)
-            if listen:
-                prep.request = dataclasses.replace(prep.request, listen_fds=tuple(listen))
-        except (spawning.CannotSpawn, CannotPrepare) as exc:
-            self._cgroup_done(rt)
-            sup.feed(rt, E.SPAWN_FAILED, str(exc))
-            return
-        try:
-            asked = sup.spawner.ask(prep.request, prep.out_w, prep.err_w)  # queued now, sent soon
-            self.unsent.discard(rt.name)
-            sp = await asyncio.wait_for(asked, SPAWN_REPLY_TIMEOUT_S)
-        except (SpawnError, asyncio.TimeoutError) as exc:
-            prep.close_read_ends()
-            self._cgroup_done(rt)
-            rt.spawn_errno = getattr(exc, "errno", None)
-            sup.feed(rt, E.SPAWN_FAILED, str(exc) if isinstance(exc, SpawnError) else
-                     f"spawn failed: no answer from the spawner within {SPAWN_REPLY_TIMEOUT_S:g} s")
-            return
-        finally:
-            prep.close_write_ends()
-        rt.spawn_errno = None
-        h = ProcessHandle(unit=rt.name, pid=sp.pid, pidfd=sp.pidfd, pgid=sp.pid, start_time=sp.start_time)
-        try:
-            rt.output.attach(prep.out_r, prep.err_r)
-        finally:
-            sup.adopt(rt, h)  # held by its pidfd before anything else can fail: a crash now kills it
-        if self.cleanup is not None:
-            self.cleanup.spawned(rt, sp.pid)
-        if self.faults is not None:
-            self.faults.check(rt.name, "spawn")
-        rt.ready_deadline = time.monotonic() + spec.ready_timeout
-        log.debug("spawned", unit=rt.name, pid=h.pid, argv=list(spec.exec))
-        sup.feed(rt, E.SPAWNED, reason)
-
-    def _cgroup_done(self, rt: UnitRuntime) -> None:
-        if self.sup.cgroups:
-            self.sup.cgroups.release(rt.name)  # rmdir once nothing runs in it
+        self.run_for(rt, "spawn", launch.launch(launch.Launch(self.sup, rt, w.start_reason, self.unsent,
+                                                              self.cleanup, self.faults)))
 
     def _watch_ready(self, rt: UnitRuntime, a: WatchReady, ctx: Ctx) -> None:
         self.run_for(rt, "ready", self.sup.monitors.readiness(rt))
@@ -498,7 +402,7 @@ class Executor:
                 w.exit_wait = None
             self.sup.disown(rt, h)
         rt.output.detach()
-        self._cgroup_done(rt)
+        launch.cgroup_done(self.sup, rt)
         if self.cleanup is not None:
             self.cleanup.released(rt)
 

@@ -572,7 +572,7 @@ class Omnid(Adapter):
     restart_sec: str = "0"
     pin_backoff: bool = True
     # The peers run at the nice value they were started with: so does omnid here, so that the
-    # ratios compare the code, not the scheduler's weights (omnid's default is daemon_nice -10).
+    # ratios compare the code, not the scheduler's weights (omnid's default is 10 steps ahead).
     settings: str = "daemon_nice = 0\n"
 
     @classmethod

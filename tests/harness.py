@@ -221,7 +221,7 @@ class Daemon:
         self.state_dir = self.workdir / "state"
         self.health_port = free_port()
         self.log_path = self.workdir / "daemon.log"
-        # The daemons under test at the suite's own priority (not omnid.toml's default -10): a
+        # The daemons under test at the suite's own priority (not the default, 10 steps ahead): a
         # test's observers (clients, flooders, the leftovers it watches) share the CPU with them
         # as before, and eight workers' busy daemons do not starve the rest of a parallel run.
         # tests/test_daemon_priority.py and the cluster hosts (tests/netns.py) run the default.

@@ -134,7 +134,7 @@ class Testbed:
         data = self.workdir / "etcd"
         self._etcd_log = open(self.workdir / "etcd.log", "ab")
         start = self._etcd_log.tell()
-        # etcd at the daemons' priority (their omnid.toml default, daemon_nice -10): on a real
+        # etcd at the daemons' priority (unset daemon_nice: 10 steps ahead, -10 here): on a real
         # cluster it has machines of its own; here it shares two cores with a parallel suite,
         # and a keepalive it answers late fences a host as surely as a partition.
         self.etcd = subprocess.Popen(
@@ -325,7 +325,7 @@ class HostDaemon(Daemon):
     """An omnid daemon inside one host's namespace (its control socket is a file: reachable)."""
 
     def __init__(self, bed: Testbed, host: str, units_dir: Path) -> None:
-        # At omnid.toml's default priority (-10), as on a real host: a keepalive answered late
+        # At the default priority (10 steps ahead: -10), as on a real host: a keepalive answered late
         # fences a host, and these daemons share two cores with a parallel suite.
         super().__init__(units_dir, env={"OMNID_DAEMON_NICE": ""})
         self.bed, self.host = bed, host

@@ -1,7 +1,7 @@
-"""The daemon's own priority (omnid.toml `daemon_nice`, default -10): every thread of the
-daemon at that nice value, read from /proc, the spawner and the units at the nice value omnid
-was started with, kept across a re-exec; where raising is not allowed (no CAP_SYS_NICE) the
-daemon says why and goes on at its own value."""
+"""The daemon's own priority (omnid.toml `daemon_nice`; unset, 10 steps ahead of the nice value
+omnid was started with): every thread of the daemon at that nice value, read from /proc, the
+spawner and the units at the nice value omnid was started with, kept across a re-exec; where
+raising is not allowed (no CAP_SYS_NICE) the daemon says why and goes on at its own value."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ def started_at() -> int:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="raising a priority needs root (CAP_SYS_NICE)")
 @pytest.mark.parametrize("setting, expect", [(None, -10), ("daemon_nice = -4", -4), ("daemon_nice = 0", 0)])
+@pytest.mark.skipif(os.getpriority(os.PRIO_PROCESS, 0) != 0, reason="the expected values are for a suite run at nice 0")
 def test_daemon_threads_take_daemon_nice_units_keep_ours_across_reexec(setting, expect) -> None:
     d = Daemon(make_stack({"s": SLEEP}, settings=setting), env=DEFAULT).start()
     try:
@@ -95,7 +96,7 @@ def test_without_cap_sys_nice_the_daemon_says_why_and_runs_at_its_own_value() ->
         assert d.ok("status")["daemon"]["nice"] == ours
         assert set(threads_nice(d.pid).values()) == {ours}, threads_nice(d.pid)
         said = [e for e in d.log_events() if e.get("event") == "the daemon's priority is not raised"]
-        assert said and said[0]["daemon_nice"] == -10 and "needs CAP_SYS_NICE" in said[0]["why"], d.log()[-2000:]
+        assert said and said[0]["daemon_nice"] == ours - 10 and "needs CAP_SYS_NICE" in said[0]["why"], d.log()[-2000:]
     finally:
         d.close()
 
@@ -120,6 +121,46 @@ def test_a_bad_environment_value_is_refused_by_name(value: str) -> None:
         d.close()
 
 
+class NicedDaemon(Daemon):
+    """omnid started by nice(1) at `by`: as a service manager's Nice= starts it."""
+
+    def __init__(self, units_dir: Path, by: int, **kw) -> None:
+        super().__init__(units_dir, **kw)
+        self.by = by
+
+    def argv(self) -> list[str]:
+        return ["nice", "-n", str(self.by), *super().argv()]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a priority needs root (CAP_SYS_NICE)")
+@pytest.mark.parametrize("by", [5, -15])
+def test_unset_the_daemon_runs_ten_steps_ahead_of_the_value_it_was_started_with(by: int) -> None:
+    """Started at 5 it runs at -5; started at -15 (a unit file's Nice=-15) at -20, not at -10
+    behind its own units. After a re-exec the base is still the units' value, not its own."""
+    ours = started_at()
+    d = NicedDaemon(make_stack({"s": SLEEP}), ours + by, env=DEFAULT).start()
+    try:
+        d.wait_all_active()
+        for round_ in ("started", "after a re-exec"):
+            unit = d.unit("s")["pid"]
+            want = max(-20, ours + by - 10)
+            assert d.ok("status")["daemon"]["nice"] == want, (round_, d.ok("status")["daemon"])
+            assert set(threads_nice(d.pid).values()) == {want}, (round_, threads_nice(d.pid))
+            assert nice_of(_spawner(d.pid)) == ours + by and nice_of(unit) == ours + by, round_
+            if round_ == "started":
+                d.reexec()
+    finally:
+        d.close()
+
+
+@pytest.mark.fast
+def test_unset_daemon_nice_is_ten_steps_ahead_never_past_minus_20() -> None:
+    from omnid.base.priority import daemon_nice_for
+
+    assert [daemon_nice_for(None, u) for u in (0, 5, -15, 19, -20)] == [-10, -5, -20, 9, -20]
+    assert daemon_nice_for(3, -15) == 3 and daemon_nice_for(-20, 0) == -20  # a setting is a value, as given
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("value, says", [
     ("-21", "expected an integer >= -20 and <= 19, got -21"),
@@ -139,7 +180,7 @@ def test_daemon_nice_out_of_range_names_the_file_and_key(tmp_path: Path, value: 
 @pytest.mark.fast
 def test_daemon_nice_default_and_set(tmp_path: Path) -> None:
     (tmp_path / "s.toml").write_text(SLEEP)
-    assert load_stack(tmp_path).settings.daemon_nice == -10
+    assert load_stack(tmp_path).settings.daemon_nice is None  # unset: ahead of the units
     (tmp_path / "omnid.toml").write_text("daemon_nice = 5\n")
     assert load_stack(tmp_path).settings.daemon_nice == 5
 

@@ -4,8 +4,8 @@ A GPU host's units keep every core busy: vLLM's CPU workers spin in sched_yield 
 batches, a model load imports for minutes on every core. The supervisor among them must still
 see a death within milliseconds, answer /health and renew its cluster lease on time (a lease
 renewed late fences every rank of a group on every host). So the daemon runs at a lower nice
-value than its units, as the kernel's own helpers do: CFS/EEVDF then gives it the CPU when it
-wakes, and it asks for little.
+value than its units: the scheduler (EEVDF) then gives it the CPU soon after it wakes, and it
+asks for little.
 
 Linux keeps a nice value per thread (setpriority(PRIO_PROCESS, tid)); a new thread takes its
 creator's. So every thread that exists is set, and the ones created later (the executor's,
@@ -16,6 +16,19 @@ them, was exec'd before this is called and keeps the nice value omnid was starte
 from __future__ import annotations
 
 import os
+
+# Unless daemon_nice says otherwise, the daemon runs this many nice steps ahead of its units (of the
+# value omnid was started with), at most at -20: omnid started at 0 runs at -10, omnid started at
+# -15 (a service manager's Nice=-15) at -20, never behind its units.
+DAEMON_NICE_AHEAD = 10
+
+
+def daemon_nice_for(setting: int | None, units_nice: int) -> int:
+    """The value the daemon takes: the setting, else DAEMON_NICE_AHEAD steps ahead of the
+    units' value (never behind them when omnid itself was started at a raised priority)."""
+    if setting is not None:
+        return setting
+    return max(-20, units_nice - DAEMON_NICE_AHEAD)
 
 
 def raise_daemon_priority(nice: int) -> tuple[int, str | None]:

@@ -29,7 +29,7 @@ from omnid.model import settings
 from omnid.api.control import ControlError, prepare_socket_dir
 from omnid.daemon.main import Daemon
 from omnid.base.ownership import UnsafePath, check_private_dir, raise_nofile_limit
-from omnid.base.priority import raise_daemon_priority
+from omnid.base.priority import daemon_nice_for, raise_daemon_priority
 from omnid.model.settings import DaemonConfig
 from omnid.process.spawnclient import SpawnerGone
 from omnid.process.spawnstart import SpawnerProcess
@@ -129,7 +129,7 @@ def _start_fresh(udir: str, control: str | None, state_dir: str | None, health_l
     # After the spawner's exec, so units keep the usual soft limit: health connections,
     # pidfds and pipes must not run libzmq out of fds (it aborts on EMFILE).
     raise_nofile_limit()
-    _take_priority(daemon, nice)
+    _take_priority(daemon, nice, daemon.spawner.pid)
     try:
         return runloop.run(daemon.start_fresh())
     except SpawnerGone as exc:
@@ -160,8 +160,8 @@ def _continue_after_reexec(rec: dict) -> int | None:
         nice = settings.daemon_nice(stack.settings)
     except ValueError as exc:
         nice = stack.settings.daemon_nice
-        log.error("the daemon's priority: the environment's value is not used", error=str(exc), nice=nice)
-    _take_priority(daemon, nice)  # kept across the exec; set again if daemon_nice changed
+        log.error("the daemon's priority: the environment's value is not used", error=str(exc), daemon_nice=nice)
+    _take_priority(daemon, nice, rec["spawner"]["pid"])  # kept across the exec; set again if daemon_nice changed
     log.info("taking over from the previous program", from_version=rec["from_version"],
              to_version=rec["to_version"], reexecs=daemon.reexecs)
     try:
@@ -170,9 +170,15 @@ def _continue_after_reexec(rec: dict) -> int | None:
         os.close(daemon.lock_fd)
 
 
-def _take_priority(daemon: Daemon, want: int) -> None:
+def _take_priority(daemon: Daemon, setting: int | None, spawner_pid: int) -> None:
     """After the spawner's exec (so the units keep the nice value omnid was started with) and
-    before the loop's threads: the daemon's own nice value (settings.daemon_nice)."""
+    before the loop's threads: the daemon's own nice value (settings.daemon_nice), unset ahead
+    of the units' (the spawner's: after a re-exec this program's own is already raised)."""
+    try:
+        units_nice = os.getpriority(os.PRIO_PROCESS, spawner_pid)
+    except OSError:
+        units_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    want = daemon_nice_for(setting, units_nice)
     daemon.nice, why = raise_daemon_priority(want)
     if why:
         log.warning("the daemon's priority is not raised", nice=daemon.nice, daemon_nice=want, why=why)

@@ -118,9 +118,10 @@ def resolve(*, units_dir: str | None = None, control: str | None = None, state_d
 NICE_ENV = "OMNID_DAEMON_NICE"
 
 
-def daemon_nice(stack_settings, env: Mapping[str, str] | None = None) -> int:
-    """The daemon's own nice value: $OMNID_DAEMON_NICE, else omnid.toml `daemon_nice` (whose
-    default is -10). ValueError naming the variable when it is not an integer from -20 to 19."""
+def daemon_nice(stack_settings, env: Mapping[str, str] | None = None) -> int | None:
+    """The daemon's own nice value: $OMNID_DAEMON_NICE, else omnid.toml `daemon_nice`; None when
+    neither says (omnid.base.priority.daemon_nice_for: ahead of the units). ValueError naming the
+    variable when it is not an integer from -20 to 19."""
     env = os.environ if env is None else env
     text = env.get(NICE_ENV)
     if text is None or text == "":

@@ -16,7 +16,7 @@ from typing import Any
 from omnid.model.cluster import parse_cluster
 from omnid.base.ownership import UnsafePath, read_unit_file
 from omnid.model.keys import TEMPLATE_KEYS, UNIT_KEY_BY_NAME, UNIT_KEY_TABLE, UNIT_KEYS
-from omnid.model.unitmodel import DEFAULT_BACKLOG, DEFAULT_DAEMON_NICE, MAX_PASSED_FDS, Canary, DaemonSettings, ListenSocket, Liveness, LogFormat, Progress, ReadyKind, TorchDistributed, UnitFileError, UpdatePolicy
+from omnid.model.unitmodel import DEFAULT_BACKLOG, MAX_PASSED_FDS, Canary, DaemonSettings, ListenSocket, Liveness, LogFormat, Progress, ReadyKind, TorchDistributed, UnitFileError, UpdatePolicy
 from omnid.model.unitvalues import InvalidValue, Table, argv, boolean, choice, describe, integer, nonempty_string, quote, seconds, string, string_list, parse_host_port
 
 
@@ -349,5 +349,5 @@ def parse_settings(file: Path, raw: Mapping[str, Any], directory: Path, errors: 
         stop_deadline=t.get("stop_deadline", None, seconds(zero_ok=False)),
         cluster=parse_cluster(file, raw["cluster"], directory, errors) if "cluster" in raw else None,
         exit_when_failed=t.get("exit_when_failed", False, boolean),
-        daemon_nice=t.get("daemon_nice", DEFAULT_DAEMON_NICE, integer(-20, 19)),
+        daemon_nice=t.get("daemon_nice", None, integer(-20, 19)),
     )

@@ -318,9 +318,6 @@ class Unit:
         return env
 
 
-DEFAULT_DAEMON_NICE = -10
-
-
 class LogFormat(StrEnum):
     JSON = "json"
     CONSOLE = "console"
@@ -345,8 +342,9 @@ class DaemonSettings:
     exit_when_failed: bool = False  # stop the stack and exit 1 once a unit failed for good
     # The daemon's own nice value (its threads'; the units keep the one omnid was started with):
     # a supervisor whose units spin every core must still detect a death, answer /health and
-    # renew its cluster lease in milliseconds (omnid.base.ownership.raise_daemon_priority).
-    daemon_nice: int = DEFAULT_DAEMON_NICE
+    # renew its cluster lease in milliseconds (omnid.base.priority). None: 10 steps ahead of the
+    # units (omnid.base.priority.DAEMON_NICE_AHEAD).
+    daemon_nice: int | None = None
 
 
 @dataclass(frozen=True, eq=False)

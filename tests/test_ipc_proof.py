@@ -704,3 +704,38 @@ def test_shm_watch_stop_is_bounded_when_the_listener_never_returns(tmp_path):
         assert watch.stop(timeout=10.0), "the listener did not end once released"
         if os.path.exists(f"/dev/shm/{name}"):
             os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_main_process_recorded_while_its_creator_is_judged_still_gets_the_entry(monkeypatch):
+    """The fanotify thread judges a creator from a copy of the main processes recorded so far;
+    the loop may record the unit's main process meanwhile (its spawn's answer read) and look
+    through the kept creators before this one is kept. Seen in a parallel run: a child's entry
+    was left at the stop (`not attributed (yet)`, never matched). The creator is judged again
+    with that process. The interleaving is forced at the one point it can happen: the judging
+    itself runs unchanged, on a real child and its real /dev/shm entry."""
+    from omnid.process import ipc
+
+    name = f"omtrace{os.getpid()}"
+    child = subprocess.Popen([PY, "-c", f"open('/dev/shm/{name}', 'w').close()\nimport time\ntime.sleep(60)"])
+    try:
+        wait_for(lambda: os.path.exists(f"/dev/shm/{name}"), 20, "the child's entry")
+        book = ipc.IpcBook("token", root_pid=os.getpid())  # this test stands for the daemon
+        book.begin("u", 0)
+        real, seen = ipc.proof.creator_unit, []
+
+        def judged_while_the_loop_records(*args, **kw):
+            found = real(*args, **kw)
+            if not seen:
+                book.add_pid("u", child.pid)  # the loop, between the thread's copy and its keeping
+            seen.append(found.unit)
+            return found
+
+        monkeypatch.setattr(ipc.proof, "creator_unit", judged_while_the_loop_records)
+        book.created(child.pid, name)
+        assert seen == [None, "u"], seen
+        assert name in book.units["u"].shm, book.units["u"]
+    finally:
+        child.kill()
+        child.wait()
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")

@@ -122,6 +122,7 @@ class IpcBook:
         self._unresolved: collections.deque[tuple[proof.Creator, str, float]] = collections.deque(
             maxlen=MAX_UNRESOLVED)
         self.unattributed = 0  # creators that were gone, or not ours, when their event was read
+        self._recorded = 0  # main processes recorded so far (add_pid)
 
     def begin(self, unit: str, uid: int) -> None:
         """A new instance of `unit` is about to be spawned: a fresh record."""
@@ -145,6 +146,7 @@ class IpcBook:
                 return
             u.pids.add(pid)
             self._pid_unit[pid] = unit
+            self._recorded += 1  # a creator being judged without this pid is judged again (created)
             if cg is not None and cg != self._own_cgroup and cg != "/":
                 self._cgroup[unit] = cg
             else:
@@ -173,27 +175,36 @@ class IpcBook:
         omnid.process.proof from facts that take no lock of the creator's; an environment is
         read only for a descendant of this daemon nothing else ties, bounded."""
         facts = _creator_facts(pid, self.root_pid)
-        with self._lock:
-            pid_unit = dict(self._pid_unit)
-            cgroups: dict[str, str | None] = {}
-            for unit, cg in self._cgroup.items():  # a cgroup proves a unit only when no other shares it
-                cgroups[cg] = None if cg in cgroups else unit
-        found = proof.creator_unit(facts, pid_unit, {cg: u for cg, u in cgroups.items() if u is not None})
-        tag = found.unit
-        if tag is None and found.ask_environ:
-            # Takes the creator's memory lock: on a thread of its own, waited for a moment at most.
-            got = self.tags.get(pid, facts.starts[0], wait=ENVIRON_WAIT_S)
-            if got is not None and got.daemon == self.token:
-                tag = got.unit
+        for _judged in range(3):
+            with self._lock:
+                recorded = self._recorded
+                pid_unit = dict(self._pid_unit)
+                cgroups: dict[str, str | None] = {}
+                for unit, cg in self._cgroup.items():  # a cgroup proves a unit only when no other shares it
+                    cgroups[cg] = None if cg in cgroups else unit
+            found = proof.creator_unit(facts, pid_unit, {cg: u for cg, u in cgroups.items() if u is not None})
+            tag = found.unit
+            if tag is None and found.ask_environ:
+                # Takes the creator's memory lock: on a thread of its own, waited for a moment at most.
+                got = self.tags.get(pid, facts.starts[0], wait=ENVIRON_WAIT_S)
+                if got is not None and got.daemon == self.token:
+                    tag = got.unit
+            if tag is not None or not facts.descends:
+                break
+            # Perhaps a unit whose spawn's answer has not been read yet: kept for add_pid, unless
+            # a main process was recorded while this one was judged (add_pid has then looked
+            # through the kept ones without it): judged again, with that process.
+            with self._lock:
+                if self._recorded == recorded:
+                    self._unresolved.append((facts, name, time.monotonic()))
+                    break
         if tag is None:
             self.unattributed += 1
-            if facts.descends:  # perhaps a unit whose spawn's answer has not been read yet
+            if facts.descends:
                 # Said once per entry: an entry of one of our units that stays unattributed is a
                 # leak at its death, and this line is how to find out why.
                 log.info("/dev/shm entry of a descendant not attributed (yet)", entry=name, creator=pid,
                          lineage=list(facts.lineage[:6]), sid=facts.sid, pgid=facts.pgid, why=found.reason)
-                with self._lock:
-                    self._unresolved.append((facts, name, time.monotonic()))
             else:
                 log.debug("/dev/shm entry not attributed", entry=name, creator=pid, why=found.reason)
             return

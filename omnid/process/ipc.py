@@ -195,7 +195,7 @@ class IpcBook:
             # a main process was recorded while this one was judged (add_pid has then looked
             # through the kept ones without it): judged again, with that process.
             with self._lock:
-                if self._recorded == recorded:
+                if self._recorded == recorded or _judged == 2:  # kept at the last try, never dropped
                     self._unresolved.append((facts, name, time.monotonic()))
                     break
         if tag is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import logging
 import os
@@ -126,6 +127,7 @@ class Agent:
             return 2
         emit(ev="open", t=time.time())
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, self.dump_tasks)
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
         reader = asyncio.get_running_loop().create_task(self.commands())
         try:
             while not self.quit:

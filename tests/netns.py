@@ -286,7 +286,7 @@ class HostAgent:
 
     def log(self) -> str:
         try:
-            return self.stderr_path.read_text(errors="replace")[-4000:]
+            return self.stderr_path.read_text(errors="replace")[-12000:]
         except OSError:
             return ""
 
@@ -296,7 +296,20 @@ class HostAgent:
 
     def wait(self, ev: str, timeout: float, **match) -> dict:
         return wait_for(lambda: (f := self.find(ev, **match)) and f[-1], timeout,
-                        f"{self.host}: event {ev} {match or ''} (events {self.events[-6:]}; log:\n{self.log()})")
+                        lambda: f"{self.host}: event {ev} {match or ''} (events {self.events[-6:]}; log:\n"
+                                f"{self.log_with_stacks()})")
+
+    def log_with_stacks(self) -> str:
+        """The log, after the agent wrote where each of its threads and asyncio tasks stands (SIGUSR2
+        reaches the threads even when its event loop is blocked; SIGUSR1 lists the tasks)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR2)
+            self.proc.send_signal(signal.SIGUSR1)
+            try:
+                wait_for(lambda: "task:" in self.log(), 3, "")
+            except AssertionError:
+                pass
+        return self.log()
 
     def status(self, timeout: float = 10) -> dict:
         n = len(self.find("status"))

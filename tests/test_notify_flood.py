@@ -125,9 +125,33 @@ class FdSampler:
         return self.peak
 
 
+# The rows that time /health run the daemon at its default priority (10 steps ahead of the
+# tests, as on a host), and probe from a thread as far ahead: what they time is the daemon
+# under the flood, not the test's own wait for a core on a loaded machine (3.35 s was seen
+# at load 26 with both at the load's priority).
+AHEAD = {"OMNID_DAEMON_NICE": ""}
+
+
+def probe_ahead() -> None:
+    """Put the calling thread 10 steps ahead of the load (root only; a no-op otherwise)."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) - 10)
+    except OSError:
+        pass
+
+
+def probe_back() -> None:
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + 10)
+    except OSError:
+        pass
+
+
 class HealthSampler:
-    """GET /health back to back on a thread of the test: (start, end, code) of each, on
-    CLOCK_MONOTONIC."""
+    """GET /health back to back on a thread of the test, ahead of the load: (start, end,
+    code) of each, on CLOCK_MONOTONIC."""
 
     def __init__(self, port: int) -> None:
         self.port, self.got = port, []
@@ -136,6 +160,7 @@ class HealthSampler:
         self._t.start()
 
     def _run(self) -> None:
+        probe_ahead()
         while not self._stop.is_set():
             t0 = time.monotonic()
             try:
@@ -205,7 +230,7 @@ def test_fm38_lingering_sockets_then_a_memfd_flood_leave_the_daemon_fds_bounded_
     fd count stays near where it was (memfds are closed where they arrive; before: 9,408
     fds), /health answers in milliseconds throughout, the death shows on /health within a
     second, and the unit restarts."""
-    d = daemon_factory(make_stack({"victim": VICTIM}))
+    d = daemon_factory(make_stack({"victim": VICTIM}), env=AHEAD)
     addr = notify_address(d, "victim")
     victim = d.unit("victim")
     before = daemon_fds(d.pid)
@@ -259,7 +284,7 @@ def test_past_the_cap_the_notify_socket_is_not_read_and_the_sender_waits(daemon_
     datagrams stay in the kernel and its sends are refused (EAGAIN), while /health answers.
     Once the stuck closes end, the queue drains, the socket is read again and every
     datagram is taken."""
-    d = daemon_factory(make_stack({"victim": VICTIM}))
+    d = daemon_factory(make_stack({"victim": VICTIM}), env=AHEAD)
     addr = notify_address(d, "victim")
     before = daemon_fds(d.pid)
     n, per = 30, 200  # 6,000 fds: six times the cap
@@ -274,7 +299,11 @@ def test_past_the_cap_the_notify_socket_is_not_read_and_the_sender_waits(daemon_
         ready, _, _ = select.select([a.stdout], [], [], 30)
         assert ready, "the attacker's report"
         flood = json.loads(a.stdout.readline())
-        lat = [health_ms(d) for _ in range(10)]
+        probe_ahead()
+        try:
+            lat = [health_ms(d) for _ in range(10)]
+        finally:
+            probe_back()
         held = daemon_fds(d.pid)
         waiting = d.ok("status")["daemon"]["foreign_fd_closes"]
         received_paused = d.ok("status")["daemon"]["notify"]["received"]
@@ -686,8 +715,10 @@ def test_a_reexec_during_a_flood_hands_the_waiting_closes_to_the_next_program(da
     """fds from outside still queued for a closer thread at `omnid reexec` are handed to the next
     program, whose closer closes them. Close-on-exec would make the exec itself close them, one
     after another: each lingering socket's close held the new program's start for its linger
-    time (seen: 28 s of handover with 4 queued x 6 s)."""
-    linger, queued = 15, 2
+    time (seen: 28 s of handover with 4 queued x 6 s). The linger is long (60 s) so that on a
+    loaded machine the 16 stuck closes cannot end before the re-exec and free a thread for the
+    queued ones (the test's end closes the peers, which ends every linger at once)."""
+    linger, queued = 60, 2
     d = daemon_factory(make_stack({"victim": VICTIM}))
     addr = notify_address(d, "victim")
     pid_before = d.ok("status")["daemon"]["program_since"]
@@ -709,7 +740,8 @@ def test_a_reexec_during_a_flood_hands_the_waiting_closes_to_the_next_program(da
         assert d.ok("status")["daemon"]["program_since"] > pid_before
         assert taken and taken[-1]["handover_ms"] < linger * 1000, \
             f"the exec waited on the queued closes: {taken[-1:] or d.log()[-2000:]}"
-        assert after["threaded"] >= queued, f"the next program's closer did not take them over: {after}"
+        assert after["threaded"] >= queued, \
+            f"the next program's closer did not take them over: {after} (before the re-exec: {closes})"
     finally:
         assert a.stdin is not None
         a.stdin.close()

@@ -169,48 +169,56 @@ def test_sighup_reloads_instead_of_killing_the_daemon(daemon_factory):
 
 
 def _a_control_reload_under_way(daemon_factory):
-    """A daemon whose unit `slow` (TERM ignored, stop_timeout 2) was changed, and `omnid reload`
-    started in the background: it takes ~2 s to stop slow. Returns (daemon, its stack directory,
-    the reload's process)."""
-    slow = 'exec = ["sh", "-c", "trap \\"\\" TERM; sleep 1000 & wait; wait"]\nstop_timeout = 2\n'
-    d_dir = make_stack({"slow": slow})
+    """A daemon whose unit `slow` (TERM ignored; it exits once a file exists) was changed, and
+    `omnid reload` started in the background: it stops slow until the test calls release(),
+    which makes the file, so nothing the test does next races a timeout on a loaded machine.
+    The changed slow is a plain sleep with stop_timeout 2. Returns (daemon, its stack directory,
+    the reload's process, release)."""
+    d_dir = make_stack({})
+    gate = d_dir / "release-slow"
+    write(d_dir, "slow", f'exec = ["sh", "-c", "trap \'\' TERM; while [ ! -e {gate} ]; do sleep 0.2; done"]\n'
+                         'stop_timeout = 600\n')
     d = daemon_factory(d_dir)
     d.wait_all_active()
-    write(d_dir, "slow", slow.replace("1000", "999"))
+    write(d_dir, "slow", 'exec = ["sleep", "999"]\nstop_timeout = 2\n')
     first = subprocess.Popen([PY, "-m", "omnid", "--control", d.control, "reload"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, cwd=str(REPO),
                              env=dict(os.environ, PYTHONPATH=repo_pythonpath()))
-    return d, d_dir, first
+    return d, d_dir, first, gate.touch
 
 
 def test_a_second_reload_while_one_runs_is_refused_with_a_clear_error(daemon_factory):
-    d, d_dir, first = _a_control_reload_under_way(daemon_factory)
+    d, d_dir, first, release = _a_control_reload_under_way(daemon_factory)
     try:
-        wait_for(lambda: d.unit("slow")["state"] == "stopping", 10, "the first reload stopping slow")
+        wait_for(lambda: d.unit("slow")["state"] == "stopping", 30, "the first reload stopping slow")
         r = omnid(d, "reload")
         assert r.returncode == 1 and "a reload is already being applied" in r.stderr, r.stdout + r.stderr
     finally:
+        release()
         out, err = first.communicate(timeout=60)
     assert first.returncode == 0, out + err
-    assert d.unit("slow")["state"] == "active"
+    wait_for(lambda: d.unit("slow")["state"] == "active", 30, lambda: f"slow active again: {d.unit('slow')}")
 
 
 def test_a_sighup_during_a_control_reload_runs_after_it_and_reads_the_newest_files(daemon_factory):
     """A SIGHUP while a reload asked over the control socket is being applied (which read the
     files before this change) is not refused as busy, which dropped it: its reload runs once
     that one is done, and sees the unit written just before the signal."""
-    d, d_dir, first = _a_control_reload_under_way(daemon_factory)
+    d, d_dir, first, release = _a_control_reload_under_way(daemon_factory)
     try:
-        wait_for(lambda: d.unit("slow")["state"] == "stopping", 10, "the control reload stopping slow")
+        wait_for(lambda: d.unit("slow")["state"] == "stopping", 30, "the control reload stopping slow")
         write(d_dir, "late", SLEEP)
         d.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "SIGHUP: waiting for the reload under way to end first"
+                 in [e.get("event") for e in d.log_events()], 30, lambda: d.log()[-2000:])
+        release()
         wait_for(lambda: "late" in d.units() and d.unit("late")["state"] == "active", 30,
                  lambda: f"unit late, written before the SIGHUP: {sorted(d.units())}\n{d.log()[-2000:]}")
     finally:
+        release()
         out, err = first.communicate(timeout=60)
     assert first.returncode == 0, out + err
     events = [e.get("event") for e in d.log_events()]
-    assert "SIGHUP: waiting for the reload under way to end first" in events, events
     assert "reload refused" not in events, d.log()[-2000:]
 
 

@@ -739,3 +739,55 @@ def test_a_main_process_recorded_while_its_creator_is_judged_still_gets_the_entr
         child.wait()
         if os.path.exists(f"/dev/shm/{name}"):
             os.unlink(f"/dev/shm/{name}")
+
+
+MAKER = r"""
+import ctypes, ctypes.util, os, sys, time
+libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+gate, made = sys.argv[1], sys.argv[2]
+while not os.path.exists(gate):
+    time.sleep(0.02)
+own = libc.shmget(0, 1 << 16, 0o1000 | 0o600)  # IPC_PRIVATE: its own segment
+assert own >= 0, os.strerror(ctypes.get_errno())
+with open(made + ".tmp", "w") as f:
+    f.write(str(own))
+os.rename(made + ".tmp", made)
+time.sleep(1000)
+"""
+
+
+def test_a_segment_made_after_another_units_removal_read_the_tables_still_goes(daemon_factory):
+    """Removals share one reading of /proc/sysvipc when it was taken after their instance was
+    gone (a stack stop of 256 units read the tables once, not 768 times). Unit a dies and its
+    removal reads the tables; then unit b makes a segment and dies: b's removal must read
+    them again, and the segment goes."""
+    prog = script(MAKER, "maker.py")
+    d_dir = make_stack({})
+    os.chmod(d_dir, 0o755)
+    made: list[int] = []
+    units = {}
+    for name in ("a", "b"):
+        units[name] = (d_dir / f"gate-{name}", d_dir / f"made-{name}")
+        (d_dir / f"{name}.toml").write_text(
+            f"exec = {json.dumps([PY, prog, str(units[name][0]), str(units[name][1])])}\nrestart = \"no\"\n")
+    d = daemon_factory(d_dir)
+    try:
+        pa = d.wait_state("a", "active")["pid"]
+        pb = d.wait_state("b", "active")["pid"]
+        units["a"][0].touch()
+        wait_for(lambda: units["a"][1].exists(), 20, "a's segment")
+        made.append(int(units["a"][1].read_text()))
+        os.kill(pa, signal.SIGKILL)
+        ua = wait_for(lambda: (u := d.unit("a"))["state"] == "failed" and u["ipc_removed"] and u, 15,
+                      lambda: f"a failed, its segment removed: {d.unit('a')} (log:\n{d.log()[-2000:]})")
+        units["b"][0].touch()  # b makes its segment after a's removal read the tables
+        wait_for(lambda: units["b"][1].exists(), 20, "b's segment")
+        made.append(int(units["b"][1].read_text()))
+        os.kill(pb, signal.SIGKILL)
+        ub = wait_for(lambda: (u := d.unit("b"))["state"] == "failed" and u, 15,
+                      lambda: f"b failed: {d.unit('b')} (log:\n{d.log()[-2000:]})")
+        assert made[1] not in rows("shm"), f"b's segment {made[1]} is left (b: {ub}; a: {ua})"
+        assert any("System V shm" in x for x in ub["ipc_removed"]), ub
+    finally:
+        for i in made:
+            rmid("shm", i)

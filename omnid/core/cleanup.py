@@ -87,6 +87,9 @@ class _Removing:
     ipc: ipc.UnitIpc | None = None  # once taken out of the book (on the removal's thread)
     task: asyncio.Task | None = None
     result: Removal | None = None  # once it is over
+    # Made once the instance is over (the kernel's proof, or a stop's release): a reading of
+    # /proc/sysvipc taken after this holds every System V object the instance made.
+    since: float = field(default_factory=time.monotonic)
 
     def to_json(self) -> dict:
         return {"unit": self.unit, "tmp": self.tmp.to_json() if self.tmp is not None else None,
@@ -132,6 +135,7 @@ class UnitCleanup:
         self._rmdirs: list[tuple[privatetmp.TmpDir, asyncio.Future[bool]]] = []
         self._rmdir_task: asyncio.Task | None = None
         self._rmdir_threads = OwnThreads(1, kind="removal")
+        self._sysv: ipc.SysvTables | None = None  # the last reading, shared by removals it serves
 
     # ------------------------------------------------------------ daemon life
     def start(self) -> None:
@@ -314,7 +318,8 @@ class UnitCleanup:
                 # Nothing that needs a thread: no /dev/shm entry to prove unheld, no queued event,
                 # no tree to walk (a thread's hand-off costs a restart ~0.1 s on a loaded host).
                 u = work.ipc = self.book.take(name)
-                removed, kept = ipc.remove_sysv(u) if u is not None and work.remove_ipc else ([], [])
+                removed, kept = ipc.remove_sysv(u, self._sysv_since(work.since)) \
+                    if u is not None and work.remove_ipc else ([], [])
                 tmp_left, held = None, None
             else:
                 counted: list[int] = []
@@ -348,6 +353,12 @@ class UnitCleanup:
             rt.ipc_removed = removed
         if held is not None:
             self._look_again(held)
+
+    def _sysv_since(self, since: float) -> ipc.SysvTables:
+        """A reading of the System V tables taken at or after `since` (ipc.SysvTables)."""
+        if self._sysv is None or self._sysv.taken_at < since:
+            self._sysv = ipc.SysvTables.read()
+        return self._sysv
 
     async def _remove_if_empty(self, d: privatetmp.TmpDir) -> bool:
         """privatetmp.remove_if_empty: at once, or in the stack stop's next batch."""

@@ -430,6 +430,45 @@ def thread_count(pid: int | str = "self") -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
 
+# What a unit holds of the daemon's fd table, about: its output pipes' read ends, its pidfd,
+# its held sockets and stored fds, a connection or two of its clients' health checks.
+FDS_PER_UNIT = 8
+FD_TABLE_BASE = 256  # the daemon's own: its sockets, the spawner's, threads' pipes, a re-exec's
+
+
+def fd_table_size_for(units: int, soft_limit: int) -> int:
+    """The fd table a daemon of `units` units should start with: a power of two (the kernel
+    grows it by doubling anyway), within the soft RLIMIT_NOFILE."""
+    want = FD_TABLE_BASE + FDS_PER_UNIT * max(0, units)
+    return max(0, min(1 << (want - 1).bit_length(), soft_limit))
+
+
+def grow_fd_table(size: int) -> bool:
+    """Make the kernel's fd table hold `size` fds now, while the process has one thread.
+
+    Growing the table of a process whose threads share it waits for an RCU grace period
+    (expand_fdtable's synchronize_rcu): 7-19 ms each time here, on the thread that opened the
+    fd, which is the event loop. A daemon starting 256 units opened ~1,300 fds after libzmq's
+    and the removal threads existed and paid three of them (~40 ms) on the way to its last
+    spawn; a flood of connections would pay the next on the loop that sees deaths. One fd
+    duplicated at `size - 1` or above (F_DUPFD: the lowest free number from there, never one
+    in use) and closed grows it once, cheaply; the kernel never shrinks it. True when it did."""
+    if size <= 1:
+        return False
+    try:
+        src = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fd = fcntl.fcntl(src, fcntl.F_DUPFD_CLOEXEC, size - 1)
+    except OSError:  # EINVAL / EMFILE: past the soft limit
+        return False
+    finally:
+        os.close(src)
+    os.close(fd)
+    return True
+
+
 def mark_fds_non_inheritable(keep: tuple[int, ...] = (0, 1, 2)) -> None:
     """A daemon started from a shell may inherit fds: never pass them to units."""
     for name in os.listdir("/proc/self/fd"):

@@ -128,7 +128,9 @@ def _start_fresh(udir: str, control: str | None, state_dir: str | None, health_l
     daemon.spawner.launch(spawner)
     # After the spawner's exec, so units keep the usual soft limit: health connections,
     # pidfds and pipes must not run libzmq out of fds (it aborts on EMFILE).
-    raise_nofile_limit()
+    soft, _hard = raise_nofile_limit()
+    # Before the first thread (libzmq's, the loop's to_thread): see linux.grow_fd_table.
+    linux.grow_fd_table(linux.fd_table_size_for(len(stack.units), soft))
     _take_priority(daemon, nice, daemon.spawner.pid)
     try:
         return runloop.run(daemon.start_fresh())
@@ -155,7 +157,8 @@ def _continue_after_reexec(rec: dict) -> int | None:
     os.set_inheritable(daemon.lock_fd, False)
     if rec["cgroup"] is not None:
         daemon.cgroups = cgroup_mod.CgroupRoot.take_over(rec["cgroup"])
-    raise_nofile_limit()
+    soft, _hard = raise_nofile_limit()
+    linux.grow_fd_table(linux.fd_table_size_for(len(stack.units), soft))  # the exec left one thread
     try:
         nice = settings.daemon_nice(stack.settings)
     except ValueError as exc:

@@ -20,7 +20,8 @@ def _dir(tmp_path, i: int) -> privatetmp.TmpDir:
 
 
 def _on_disk(rec: privatetmp.Record) -> list[str]:
-    return sorted(d["path"] for d in json.loads(rec.path.read_text())) if rec.path.exists() else []
+    """What a daemon after a SIGKILL would read from the record: its lines replayed."""
+    return sorted(d.path for d in privatetmp.parse_record(rec.path.read_bytes(), "test")) if rec.path.exists() else []
 
 
 @pytest.mark.fast
@@ -41,6 +42,7 @@ def test_tmp_record_is_written_once_for_a_batch_and_on_disk_before_the_send(tmp_
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         assert rec.writes == 2 and len(_on_disk(rec)) == 4
+        rec.close()
 
     asyncio.run(main())
 
@@ -64,6 +66,7 @@ def test_tmp_record_removals_are_written_together_a_moment_later_or_at_a_flush(t
         rec.drop(dirs[2])
         rec.flush()  # the daemon's end, a re-exec's handover
         assert rec.writes == 3 and _on_disk(rec) == [dirs[3].path]
+        rec.close()
 
     asyncio.run(main())
 
@@ -73,6 +76,57 @@ def test_tmp_record_without_a_loop_is_written_at_once(tmp_path):
     rec = privatetmp.Record(tmp_path)
     rec.add(_dir(tmp_path, 0))
     assert rec.writes == 1 and len(_on_disk(rec)) == 1
+    rec.close()
+
+
+@pytest.mark.fast
+def test_tmp_record_appends_before_a_send_and_rewrites_only_from_a_delayed_write(tmp_path):
+    """A spawn's directory goes on disk by an append to the file the first write made (the
+    same inode: no rename on the spawn path); 300 restarts of one unit (a drop and an add
+    each) keep the file bounded by rewrites made from the delayed writes, and what a reader
+    replays is always the live set."""
+    rec = privatetmp.Record(tmp_path)
+
+    async def main() -> None:
+        live = _dir(tmp_path, 0)
+        rec.add(live)
+        rec.flush()
+        ino = rec.path.stat().st_ino
+        assert rec.rewrites == 1 and _on_disk(rec) == [live.path]
+        rec.add(_dir(tmp_path, 1))
+        rec.flush()  # a send: an append, not a rewrite
+        assert rec.rewrites == 1 and rec.path.stat().st_ino == ino and len(_on_disk(rec)) == 2
+        for i in range(2, 302):
+            rec.drop(live)
+            live = _dir(tmp_path, i)
+            rec.add(live)
+            rec.flush()  # the restart's spawn: never a rename
+            assert rec.path.stat().st_ino == ino or rec.rewrites > 1
+            await asyncio.sleep(0)
+        assert rec.rewrites == 1, "a flush rewrote the file"
+        assert _on_disk(rec) == sorted([live.path, _dir(tmp_path, 1).path])
+        rec.drop(_dir(tmp_path, 1))  # a delayed write: the file has outgrown its bound
+        deadline = asyncio.get_running_loop().time() + 5
+        while rec.rewrites < 2 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        assert rec.rewrites == 2 and rec.path.read_bytes().count(b"\n") == 1, rec.path.read_text()
+        assert _on_disk(rec) == [live.path]
+        rec.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.fast
+def test_tmp_record_of_an_older_omnid_and_hostile_lines_are_read_safely(tmp_path):
+    """The one JSON list an older omnid wrote is still read; lines that are not one of ours
+    (not JSON, a path outside the pattern, a drop of what was never added) are skipped."""
+    good = _dir(tmp_path, 7).to_json()
+    (tmp_path / privatetmp.RECORD_NAME).write_text(json.dumps([good]))
+    assert [d.path for d in privatetmp.Record(tmp_path).previous()] == [good["path"]]
+    lines = [json.dumps({"add": good}), "not json", json.dumps({"add": {**good, "path": "/etc"}}),
+             json.dumps({"drop": "/tmp/omnid-x-000000000000"}), json.dumps([1, 2]), ""]
+    (tmp_path / privatetmp.RECORD_NAME).write_text("\n".join(lines))
+    assert [d.path for d in privatetmp.Record(tmp_path).previous()] == [good["path"]]
 
 
 @pytest.mark.fast

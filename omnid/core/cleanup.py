@@ -176,7 +176,8 @@ class UnitCleanup:
             self.record.flush()
 
     def close(self) -> None:
-        self.flush_record()
+        if self.record is not None:
+            self.record.close()  # what changed, on disk; its append fd closed
         if self.watch is not None:
             self.watch.stop()
             self.watch = None

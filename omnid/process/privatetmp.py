@@ -22,6 +22,7 @@ import json
 import os
 import re
 import secrets
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ log = structlog.get_logger("omnid.process.privatetmp")
 TMP_ROOT = "/tmp"
 PREFIX = "omnid-"
 RECORD_NAME = "tmpdirs.json"
-MAX_RECORD_BYTES = 1 << 20
+MAX_RECORD_BYTES = 8 << 20  # ~40,000 lines: a rewrite keeps it near the live directories
 _NAME_RE = re.compile(r"^omnid-[A-Za-z0-9_.@:-]{1,200}-[0-9a-f]{12}$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.@:-]")
 ENV_KEYS = ("TMPDIR", "TMP", "TEMP")
@@ -231,47 +232,96 @@ def _remove_tree(pfd: int, name: str, deadline: float, budget: list[int], d: Tmp
             os.close(fd)
 
 
+def parse_record(raw: bytes, where: str) -> list[TmpDir]:
+    """The directories a record names: its lines replayed ({"add": DIR} / {"drop": PATH}, the
+    later winning), or an older omnid's one JSON list. What is not one of ours is skipped, and
+    said once."""
+    if raw.lstrip().startswith(b"["):
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            log.warning("private tmp record is not JSON; ignoring it", path=where)
+            return []
+        out = [TmpDir.from_json(x) for x in data] if isinstance(data, list) else []
+        return [d for d in out if d is not None]
+    dirs: dict[str, TmpDir] = {}
+    bad = 0
+    for line in raw.splitlines():
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(entry, dict) and "add" in entry and (d := TmpDir.from_json(entry["add"])) is not None:
+            dirs[d.path] = d
+        elif isinstance(entry, dict) and isinstance(entry.get("drop"), str):
+            dirs.pop(entry["drop"], None)
+        else:
+            bad += 1
+    if bad:
+        log.warning("private tmp record lines ignored (not one of ours)", path=where, lines=bad)
+    return list(dirs.values())
+
+
 class Record:
     """tmpdirs.json in the daemon's state directory (only the daemon can write there, checked
     at start): the directories made and not yet removed, so that a daemon after a SIGKILL
     removes what its predecessor left -- and only that.
 
-    Written once for many changes, not at each (a rewrite of the whole list and a rename:
-    256 units paid 512 of them, ~0.4-10 ms each here, on the way to the first spawn and to the
-    daemon's exit). A directory made is on disk before the spawn that uses it leaves
-    (`flush`, called by the spawner client before it sends; else at the end of the loop's
-    turn); a removal is written within DROP_DELAY_S, or at `flush`: a daemon SIGKILLed in
-    between leaves an entry for a directory that is gone, which proves nothing (its inode
-    is gone) and is skipped by the next daemon's sweep."""
+    One JSON object per line: {"add": DIR} or {"drop": PATH}, appended, the later line
+    winning. A directory made is on disk before the spawn that uses it leaves (`flush`, called
+    by the spawner client before it sends; else at the end of the loop's turn): one append,
+    not a rewrite of the whole list and a rename, which cost a restart 0.4-3 ms on this
+    ext4 on the way to its spawn (and 256 units nine of them). Removals are appended within
+    DROP_DELAY_S, several at once, or at `flush`: a daemon SIGKILLed in between leaves an
+    entry for a directory that is gone, which proves nothing (its inode is gone) and is
+    skipped by the next daemon's sweep. Once the lines are more than twice the directories
+    (and a margin), the file is rewritten whole, from a delayed write, never a flush: the
+    rename stays off the spawn path. A record of an older omnid (one JSON list) is read too."""
 
     DROP_DELAY_S = 0.1
+    COMPACT_MARGIN = 256  # lines beyond twice the live directories before a rewrite
 
     def __init__(self, state_dir: str | Path) -> None:
         self.path = Path(state_dir) / RECORD_NAME
         self.dirs: dict[str, TmpDir] = {}  # path -> dir
-        self.writes = 0  # how many times the file was written (bench/daemon_path.py)
-        self._dirty = False
+        self.writes = 0  # appends and rewrites of the file (bench/daemon_path.py)
+        self.rewrites = 0
+        self._pending: list[bytes] = []  # lines not on disk yet
+        self._lines = 0  # lines in the file as this daemon left it (unknown before: rewrite first)
+        self._fd = -1  # the append fd, on the file the last rewrite made
         self._timer: asyncio.TimerHandle | asyncio.Handle | None = None
 
     def add(self, d: TmpDir) -> None:
         self.dirs[d.path] = d
+        self._pending.append(json.dumps({"add": d.to_json()}).encode() + b"\n")
         self._changed(0.0)
 
     def drop(self, d: TmpDir) -> None:
         if self.dirs.pop(d.path, None) is not None:
+            self._pending.append(json.dumps({"drop": d.path}).encode() + b"\n")
             self._changed(self.DROP_DELAY_S)
 
     def flush(self) -> None:
-        """Write what changed since the last write, now (a no-op when nothing did)."""
+        """Append what changed since the last write, now (a no-op when nothing did)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._dirty:
-            self._dirty = False
-            self._write()
+        self._write(compact=False)
+
+    def close(self) -> None:
+        self.flush()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _delayed(self) -> None:
+        self._timer = None
+        self._write(compact=True)
 
     def _changed(self, delay: float) -> None:
-        self._dirty = True
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop (a tool, a test): at once
@@ -282,15 +332,46 @@ class Record:
             return  # a write is due as soon, or sooner
         if self._timer is not None:  # a removal's delayed write: a new directory's goes now
             self._timer.cancel()
-        self._timer = loop.call_soon(self.flush) if delay <= 0 else loop.call_later(delay, self.flush)
+        self._timer = loop.call_soon(self._delayed) if delay <= 0 else loop.call_later(delay, self._delayed)
 
-    def _write(self) -> None:
-        self.writes += 1
-        data = json.dumps([d.to_json() for d in self.dirs.values()]).encode()
+    def _write(self, compact: bool) -> None:
+        """The pending lines appended; the whole file rewritten instead when it has none of
+        this daemon's yet (the previous daemon's lines are read once, at start), or, from a
+        delayed write, when it has grown past its bound."""
+        if not self._pending and not (compact and self._overgrown()):
+            return
         try:
-            proof.replace_daemon_file(self.path, data)
+            if self._fd < 0 or (compact and self._overgrown()):
+                self._rewrite()
+            else:
+                data = b"".join(self._pending)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self._fd, view):]
+                self._lines += len(self._pending)
+            self._pending.clear()
+            self.writes += 1
         except OSError as exc:
             log.error("cannot write the private tmp record", path=str(self.path), error=str(exc))
+
+    def _overgrown(self) -> bool:
+        return self._fd >= 0 and self._lines > 2 * len(self.dirs) + self.COMPACT_MARGIN
+
+    def _rewrite(self) -> None:
+        lines = [json.dumps({"add": d.to_json()}).encode() + b"\n" for d in self.dirs.values()]
+        proof.replace_daemon_file(self.path, b"".join(lines))
+        self.rewrites += 1
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        # The file the rename put there, appended to from now on; a regular file of ours, never
+        # a link (O_NOFOLLOW), in the daemon's own directory.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(fd)
+            raise OSError(errno.EPERM, f"{self.path} is not a regular file of the daemon's")
+        self._fd, self._lines = fd, len(lines)
 
     def previous(self) -> list[TmpDir]:
         """What a previous daemon recorded (untrusted: a regular file of ours, size-capped)."""
@@ -304,13 +385,7 @@ class Record:
             return []
         if raw is None:
             return []
-        try:
-            data = json.loads(raw)
-        except ValueError:
-            log.warning("private tmp record is not JSON; ignoring it", path=str(self.path))
-            return []
-        out = [TmpDir.from_json(x) for x in data] if isinstance(data, list) else []
-        return [d for d in out if d is not None]
+        return parse_record(raw, str(self.path))
 
     def sweep(self, previous: list[TmpDir], keep: set[str]) -> list[str]:
         """Remove what the previous daemon recorded (`previous`, read before this daemon made

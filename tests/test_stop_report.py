@@ -208,8 +208,9 @@ def _reexec_with_a_removal_under_way(d, shm: str) -> None:
         [("u", "by the program before a re-exec", None, 1)], done
     print(f"\nhanded over and finished by the new program: {done[0]['private_tmp_entries']} entries in "
           f"{done[0]['seconds']} s; gone {took:.2f} s after the re-exec began")
-    wait_for(lambda: path not in (d.state_dir / "tmpdirs.json").read_text(), 10,
-             lambda: f"the record to drop {path}: {(d.state_dir / 'tmpdirs.json').read_text()}")
+    record = d.state_dir / privatetmp.RECORD_NAME
+    wait_for(lambda: path not in [x.path for x in privatetmp.parse_record(record.read_bytes(), "test")], 10,
+             lambda: f"the record to drop {path}: {record.read_text()}")
 
 
 

@@ -485,7 +485,8 @@ def test_fd_exhaustion_at_spawn_fails_cleanly_backs_off_and_recovers(daemon, fre
     try:
         os.kill(a["pid"], signal.SIGKILL)
         u = wait_for(lambda: (u := d.unit("a")) and "EMFILE" in f"{u.get('reason')} {u.get('last_exit')}" and u,
-                     60, "a restart to fail with EMFILE")
+                     60, lambda: f"a restart to fail with EMFILE (limit {limit}, the daemon's fds now "
+                                 f"{daemon_fds(d.pid)}; unit {d.unit('a')}; log:\n{d.log()[-2500:]})")
         print("unit while fds are exhausted:", u["state"], u["reason"])
         c0, t0 = cpu_seconds(d.pid), time.monotonic()
         time.sleep(2.0)  # measuring CPU over an interval: the interval is the measurement

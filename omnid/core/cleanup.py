@@ -30,6 +30,7 @@ removal is never lost between the two.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import time
 from collections.abc import Callable
@@ -259,8 +260,9 @@ class UnitCleanup:
         try:
             d = privatetmp.create(name, uid, gid)
         except OSError as exc:
+            code = errno.errorcode.get(exc.errno or 0, exc.errno)  # named as the output pipes' failure is
             raise CannotPrepare(f"cannot create the private temporary directory under {privatetmp.TMP_ROOT}: "
-                                f"{exc.strerror or exc}") from None
+                                f"{code} ({exc.strerror or exc})") from None
         self.tmp[name] = d
         self._due.add(name)
         if self.record is not None:

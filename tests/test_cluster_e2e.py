@@ -276,9 +276,10 @@ def test_e2e_reexec_of_a_keeps_ranks_lease_and_generation_then_a_rank_killed_on_
     now = etcd_keys(bed, prefix)
     assert {k: now.get(k) for k in mine} == {k: keys[k] for k in mine}, (keys, now)
     assert json.loads(bed.etcdctl("get", f"{prefix}groups/tp/current", "--print-value-only")) == {"generation": 1}
-    for d in (a, b):
-        g = d.unit("ranks@0")["group"]
-        assert (g["generation"], g["state"], g["hosts"]) == (1, "running", {"a": "up", "b": "up"}), g
+    for d in (a, b):  # a's program reads etcd again after its re-exec: its view follows within moments
+        wait_for(lambda: (g := d.unit("ranks@0")["group"]) and (g["generation"], g["state"], g["hosts"])
+                 == (1, "running", {"a": "up", "b": "up"}), 30,
+                 lambda: f"{d.host}'s view of the group: {d.unit('ranks@0')['group']}")
         assert "generation down" not in d.log() and "fenced" not in d.log(), f"lease gap {gap} s\n{d.log()[-3000:]}"
     # A rank killed on a the moment a third program answers (its session's watch may not have
     # read etcd yet): b's ranks stop, and all start again in generation 2.

@@ -509,8 +509,10 @@ class ClusterGroup:
                 state = {Phase.JOINING: "joined", Phase.RUNNING: "up"}.get(self.phase, "stopped")
             elif s.host_alive(h):
                 state = "waiting"
-            else:
+            elif s.synced:
                 state = "gone"
+            else:  # the mirror is being read again (a re-exec, a watch that ended): not known yet
+                state = "unknown (etcd not read yet)"
             if h != s.host and not s.etcd_ok:
                 state += "" if s.peers.heard_within(h, s.peer_timeout) else " (unreachable)"
             hosts[h] = state

@@ -223,15 +223,23 @@ def test_a_sighup_during_a_control_reload_runs_after_it_and_reads_the_newest_fil
 
 
 def test_reload_while_the_stack_stops_is_refused(daemon_factory):
-    slow = 'exec = ["sh", "-c", "trap \\"\\" TERM; sleep 1000 & wait; wait"]\nstop_timeout = 3\n'
-    d_dir = make_stack({"slow": slow})
+    """The stack's stop is held (slow ignores TERM and exits once a file exists) until the
+    refused reload has answered: a 3 s stop_timeout was raced by the CLI's start at load 20."""
+    d_dir = make_stack({})
+    gate = d_dir / "release-slow"
+    slow = (f'exec = ["sh", "-c", "trap \'\' TERM; while [ ! -e {gate} ]; do sleep 0.2; done"]\n'
+            'stop_timeout = 600\n')
+    write(d_dir, "slow", slow)
     d = daemon_factory(d_dir)
     d.wait_all_active()
-    write(d_dir, "slow", slow.replace("1000", "999"))
+    write(d_dir, "slow", slow.replace("0.2", "0.3"))
     d.proc.send_signal(signal.SIGTERM)
-    wait_for(lambda: d.unit("slow")["state"] == "stopping", 10, "the stack stopping")
-    r = omnid(d, "reload")
-    assert r.returncode == 1 and "stopping" in r.stderr, r.stdout + r.stderr
+    try:
+        wait_for(lambda: d.unit("slow")["state"] == "stopping", 30, "the stack stopping")
+        r = omnid(d, "reload")
+        assert r.returncode == 1 and "stopping" in r.stderr, r.stdout + r.stderr
+    finally:
+        gate.touch()
     assert d.wait_exit(30) == 0
 
 

@@ -213,6 +213,13 @@ class _Progress:
               + (f" ({reason})" if reason and state != "active" and reason != state else ""), flush=True)
 
 
+def _wait_exit(proc: subprocess.Popen, timeout: float) -> int | None:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def cmd_start(a: argparse.Namespace) -> int:
     from omnid.model import settings
     from omnid.api.control import socket_is_live
@@ -251,11 +258,17 @@ def cmd_start(a: argparse.Namespace) -> int:
             launched, logfile, offset = _launch_daemon(a, cfg, t0)
     client = Client(control)
     # Subscribe first, then take a snapshot, then follow: no change falls in between.
-    sub = subscribe(control)
+    sub = None
     try:
+        sub = subscribe(control)  # the launched daemon may close its socket between its answer and this
         snap = client.call("status", {}, timeout=10)["units"]
     except CliError:
-        if launched is not None and launched.wait(5) is not None:
+        if sub is not None:
+            sub.close(linger=0)
+        # The daemon this command launched closed its control socket: it is going away. Its exit
+        # (a stop of what it started, bounded) took over 5 s at load 20, and the cause it logged
+        # is the answer, not "no daemon running": waited for as long as its launch was.
+        if launched is not None and _wait_exit(launched, 30) is not None:
             raise CliError(f"the daemon exited with code {launched.returncode}: "
                            f"{_daemon_cause(logfile, offset)} (full log: {logfile})") from None
         raise
@@ -302,7 +315,10 @@ def cmd_start(a: argparse.Namespace) -> int:
     if reply is None:
         raise CliError(f"the stack was not ready within {timeout:g} s")
     if not reply.get("ok"):
-        if launched is not None and launched.wait(5) is not None:
+        # The daemon this command launched closed its control socket: it is going away. Its exit
+        # (a stop of what it started, bounded) took over 5 s at load 20, and the cause it logged
+        # is the answer, not "no daemon running": waited for as long as its launch was.
+        if launched is not None and _wait_exit(launched, 30) is not None:
             raise CliError(f"the daemon exited with code {launched.returncode}: "
                            f"{_daemon_cause(logfile, offset)} (full log: {logfile})")
         raise CliError(reply["error"]["message"], EXIT_USAGE if reply["error"]["code"] == "unknown_unit" else 1)

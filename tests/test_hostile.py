@@ -6,6 +6,7 @@ real second user (`omnidtest`, created with useradd when missing) and checks the
 from __future__ import annotations
 
 import json
+import contextlib
 import os
 import pwd
 import shutil
@@ -468,6 +469,36 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def nofile_limit_leaving(daemon_pid: int, unit_pid: int, free: int) -> tuple[int, str]:
+    """The RLIMIT_NOFILE for daemon_pid that leaves it exactly `free` fds once unit_pid's death
+    has freed the daemon's fds for it (its pidfd, its output pipe's read end). The limit caps
+    fd numbers, not their count, and a new fd takes the lowest free number: the fds free are
+    the numbers below the limit that nothing holds, holes included (the daemon's fds are not
+    dense: under load a run found one more free than `count - 2 + free` assumed)."""
+    pipes = set()
+    for n in (1, 2):
+        with contextlib.suppress(OSError):
+            pipes.add(os.readlink(f"/proc/{unit_pid}/fd/{n}"))
+    held, freed = set(), set()
+    for name in os.listdir(f"/proc/{daemon_pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{daemon_pid}/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile
+        fd = int(name)
+        if target in pipes:
+            freed.add(fd)
+        elif target == "anon_inode:[pidfd]":
+            with contextlib.suppress(OSError):
+                if f"Pid:\t{unit_pid}\n" in Path(f"/proc/{daemon_pid}/fdinfo/{name}").read_text():
+                    freed.add(fd)
+        held.add(fd)
+    assert len(freed) >= 2, f"the unit's pidfd and output pipe not found among the daemon's fds: {sorted(freed)}"
+    after = held - freed
+    limit = next(n for n in range(1, max(held) + free + 2) if n - len([f for f in after if f < n]) == free)
+    return limit, f"{len(held)} fds held, {sorted(freed)} freed by the death, highest {max(held)}"
+
+
 @pytest.mark.parametrize("free", [1, 2])
 def test_fd_exhaustion_at_spawn_fails_cleanly_backs_off_and_recovers(daemon, free):
     d = daemon({"a": 'exec = ["sleep", "1000"]\nrestart = "always"\nrestart_sec = 0.2\nrestart_max_sec = 1\n'
@@ -480,7 +511,8 @@ def test_fd_exhaustion_at_spawn_fails_cleanly_backs_off_and_recovers(daemon, fre
     soft, hard = map(int, subprocess.run(["prlimit", "-p", str(d.pid), "--nofile", "-o", "SOFT,HARD", "--noheadings"],
                                          capture_output=True, text=True, check=True).stdout.split())
     # The unit's death frees its pidfd and output pipe: then exactly `free` fds are left for the restart.
-    limit = daemon_fds(d.pid) - 2 + free
+    limit, seen = nofile_limit_leaving(d.pid, a["pid"], free)
+    print(f"limit {limit}: {seen}")
     subprocess.run(["prlimit", "-p", str(d.pid), f"--nofile={limit}:{hard}"], check=True)
     try:
         os.kill(a["pid"], signal.SIGKILL)

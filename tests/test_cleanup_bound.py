@@ -5,7 +5,7 @@ process's memory lock is held: by a read of /proc/PID/mem at a page of a file on
 server stops answering reads, say. Making that here needs a FUSE server that answers until a
 read, and the tests have only one that never answers (tests/hung.py), so the removal below is
 a stand-in that blocks on an Event, and what is tested is the bound around it -- the
-unit's GONE is fed after REMOVAL_BOUND_S, the stuck removal keeps its own thread (counted until
+unit's GONE is fed after the IPC part's bound (IPC_BOUND_S), the stuck removal keeps its own thread (counted until
 it returns), and past MAX_STUCK the next removals are not tried at all."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_a_removal_that_never_returns_costs_a_death_its_bound_once_and_then_noth
         return [], [], {}
 
     monkeypatch.setattr(ipc, "remove_residue", stuck)
-    monkeypatch.setattr(cleanup, "REMOVAL_BOUND_S", 0.3)
+    monkeypatch.setattr(cleanup, "IPC_BOUND_S", 0.3)
 
     async def main() -> None:
         c = cleanup.UnitCleanup("token", None)
@@ -50,8 +50,8 @@ def test_a_removal_that_never_returns_costs_a_death_its_bound_once_and_then_noth
         assert calls == ["a", "b"], calls
         assert all(0.25 <= t < 2.0 for t in took[:2]), took
         assert took[2] < 0.1, took
-        assert [o.what for o in c.threads.out.values()] == ["a's leftovers", "b's leftovers"]
-        assert "a's leftovers, out for" in (c.threads.oldest() or "")
+        assert [o.what for o in c.threads.out.values()] == ["a's IPC residue", "b's IPC residue"]
+        assert "a's IPC residue, out for" in (c.threads.oldest() or "")
         release.set()  # the kernel answers: the threads return and are no longer counted
         for _ in range(300):
             if not c.threads.out:

@@ -1,7 +1,8 @@
 """What a unit leaves besides processes, taken away when it is gone: its private
 temporary directory (omnid.process.privatetmp) and its IPC objects (omnid.process.ipc). The executor
-calls `before_spawn` (a new directory, a fresh IPC record; the previous instance's
-removal finished first, so a restart never meets its predecessor's objects), `spawned`,
+calls `before_spawn` (a new directory, a fresh IPC record; the previous instance's IPC
+objects removed first, so a restart never meets its predecessor's objects, while its old
+directory, a tree a restart has no use for, goes beside the new instance), `spawned`,
 `gone` (a stop, once the kernel proved the processes gone: the removal is its own step,
 stopping/releasing, awaited so that the stop summary names what was removed and how long
 that took, on its own clock, never the stop's) and `released` (the unit is inactive or
@@ -51,7 +52,10 @@ log = structlog.get_logger("omnid.cleanup")
 SETTLE_WAIT_S = 5.0  # a spawn waits at most this long for its predecessor's removal
 IPC_BUDGET_S = 5.0  # the /proc scan that proves nobody holds an object (~1 s for 2,000 processes here)
 TMP_BUDGET_S = 10.0
-REMOVAL_BOUND_S = TMP_BUDGET_S + IPC_BUDGET_S + 5.0  # both budgets are checked between steps, not inside one
+# Each part's wait for its thread: its budget is checked between steps, not inside one.
+IPC_BOUND_S = IPC_BUDGET_S + 2.5
+TMP_BOUND_S = TMP_BUDGET_S + 2.5
+REMOVAL_BOUND_S = IPC_BOUND_S + TMP_BOUND_S
 MAX_STUCK = 2  # removals or looks not returned before the next are not tried
 HELD_RETRY_S = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8)  # ~25 s of looks at held /dev/shm entries
 
@@ -88,13 +92,17 @@ class _Removing:
     ipc: ipc.UnitIpc | None = None  # once taken out of the book (on the removal's thread)
     task: asyncio.Task | None = None
     result: Removal | None = None  # once it is over
+    # Set once the IPC part is over (done, or given up): what the unit's next spawn waits for.
+    ipc_over: asyncio.Event = field(default_factory=asyncio.Event)
     # Made once the instance is over (the kernel's proof, or a stop's release): a reading of
     # /proc/sysvipc taken after this holds every System V object the instance made.
     since: float = field(default_factory=time.monotonic)
 
     def to_json(self) -> dict:
+        over = self.ipc_over.is_set()  # the IPC part done is not done again by the next program
         return {"unit": self.unit, "tmp": self.tmp.to_json() if self.tmp is not None else None,
-                "remove_ipc": self.remove_ipc, "ipc": self.ipc.to_json() if self.ipc is not None else None}
+                "remove_ipc": self.remove_ipc and not over,
+                "ipc": self.ipc.to_json() if self.ipc is not None and not over else None}
 
 
 def unit_ids(spec: Any) -> tuple[int | None, int | None]:
@@ -243,9 +251,12 @@ class UnitCleanup:
         name, spec = rt.name, rt.spec
         if name in self._due:  # gone, never released (a spawn straight after a stop)
             self.remove(rt)
-        prev = self._tasks.get(name)
-        if prev is not None and not prev.done():
-            await asyncio.wait([prev], timeout=SETTLE_WAIT_S)
+        prev = self._latest.get(name)
+        if prev is not None and not prev.ipc_over.is_set():
+            try:
+                await asyncio.wait_for(prev.ipc_over.wait(), SETTLE_WAIT_S)
+            except TimeoutError:
+                pass
         try:
             uid, gid = unit_ids(spec)
         except KeyError as exc:
@@ -299,8 +310,14 @@ class UnitCleanup:
         work = self.remove(rt)
         if work is None or work.task is None:
             return None
+        if rec is None:  # no stop summary to name it: a crash's restart waits for the IPC part only
+            try:
+                await asyncio.wait_for(work.ipc_over.wait(), SETTLE_WAIT_S + IPC_BOUND_S)
+            except TimeoutError:
+                pass
+            return work.result
         await asyncio.wait([work.task], timeout=SETTLE_WAIT_S + REMOVAL_BOUND_S)
-        if work.result is not None and rec is not None:
+        if work.result is not None:
             work.result.record_in(rec)
         return work.result
 
@@ -310,44 +327,44 @@ class UnitCleanup:
 
     async def _clean(self, work: _Removing, after: asyncio.Task | None = None, rt: Any | None = None,
                      handed: bool = False) -> None:
+        """The instance's IPC objects first, then its private tmp directory. The unit's next
+        spawn waits for the first part only (`ipc_over`): a name it makes again must be free,
+        but its TMPDIR is a new directory, and a tree left in the old one (a compiler's
+        cache, gigabytes) must not hold a restart; an empty one costs it an rmdir (~0.3 ms)."""
         name, d = work.unit, work.tmp
+        removed: list[str] = []
+        kept: list[str] = []
+        held: ipc.UnitIpc | None = None
+        tmp_left: str | None = None
+        entries: int | None = None
         try:
             if after is not None and not after.done():
                 await asyncio.wait([after], timeout=SETTLE_WAIT_S)
             t0 = time.monotonic()
-            entries: int | None = None
-            if not handed and (d is None or await self._remove_if_empty(d)) and not self.book.has_entries(name) \
-                    and (self.watch is None or not self.watch.pending()):
-                # Nothing that needs a thread: no /dev/shm entry to prove unheld, no queued event,
-                # no tree to walk (a thread's hand-off costs a restart ~0.1 s on a loaded host).
-                u = work.ipc = self.book.take(name)
-                removed, kept = ipc.remove_sysv(u, self._sysv_since(work.since)) \
-                    if u is not None and work.remove_ipc else ([], [])
-                tmp_left, held = None, None
-            else:
-                counted: list[int] = []
-                try:
-                    removed, kept, tmp_left, held = await self.threads.run(
-                        f"{name}'s leftovers", lambda: self._clean_blocking(work, counted, handed), REMOVAL_BOUND_S)
-                except (TimeoutError, Busy) as exc:
-                    why = str(exc) or (f"not returned in {REMOVAL_BOUND_S:g} s "
-                                       "(a /proc or mount read the kernel does not answer?)")
-                    log.warning("leftovers not removed", unit=name, why=why,
-                                private_tmp=d.path if d is not None else None)
-                    removed, kept, tmp_left, held = [], [], "its removal did not return", None
-                entries = counted[0] if counted else None
+            try:
+                removed, kept, held = await self._remove_ipc(work, handed)
+            finally:
+                work.ipc_over.set()
+            if removed or kept:  # said now: a re-exec may hand the rest over before the tmp part ends
+                log.info("IPC residue", unit=name, removed=removed, kept=kept,
+                         ms=round((time.monotonic() - t0) * 1000, 1),
+                         **({"looked_at_again": sorted(held.shm)} if held is not None else {}))
+            if d is not None:
+                # A restart asks for its spawn in the loop's next two turns (the supervisor's
+                # converge, queued behind this task, then the launch it starts): yielded to,
+                # so that the old directory goes after that ask, not before it (~0.3 ms).
+                for _ in range(2):
+                    await asyncio.sleep(0)
+                tmp_left, entries = await self._remove_tmp(work, handed)
             r = work.result = Removal(time.monotonic() - t0, entries, tmp_left, removed, kept)
         finally:
+            work.ipc_over.set()
             if work in self._removing:
                 self._removing.remove(work)
         if d is not None and self.record is not None and tmp_left is None:
             self.record.drop(d)
         if tmp_left is not None:
             log.warning("private tmp directory not fully removed", unit=name, why=tmp_left)
-        if removed or kept:
-            log.info("IPC residue", unit=name, removed=removed, kept=kept,
-                     ms=round(r.seconds * 1000, 1), **({"looked_at_again": sorted(held.shm)}
-                                                      if held is not None else {}))
         if entries or handed:
             log.info("leftovers removed", unit=name, seconds=round(r.seconds, 3), private_tmp_entries=entries,
                      private_tmp_left=tmp_left, ipc_removed=len(removed),
@@ -356,6 +373,56 @@ class UnitCleanup:
             rt.ipc_removed = removed
         if held is not None:
             self._look_again(held)
+
+    async def _remove_ipc(self, work: _Removing, handed: bool) -> tuple[list[str], list[str], ipc.UnitIpc | None]:
+        """(removed, kept, the /dev/shm entries still held). On the loop when nothing needs a
+        thread: no /dev/shm entry to prove unheld, no queued event (a thread's hand-off costs
+        a restart ~0.1 s on a loaded host). A handed-over removal took its record in the
+        program before (or from the book handed over)."""
+        name = work.unit
+        if not handed and not self.book.has_entries(name) and (self.watch is None or not self.watch.pending()):
+            u = work.ipc = self.book.take(name)
+            if u is None or not work.remove_ipc:
+                return [], [], None
+            removed, kept = ipc.remove_sysv(u, self._sysv_since(work.since))
+            return removed, kept, None
+
+        def blocking() -> tuple[list[str], list[str], ipc.UnitIpc | None]:
+            # What the unit created just before it died may still be queued: read first.
+            if not handed:
+                if self.watch is not None:
+                    self.watch.drain()
+                work.ipc = self.book.take(name)  # the loop reads it only to hand it over
+            u = work.ipc
+            if u is None or not work.remove_ipc:
+                return [], [], None
+            gone, kept, shm = ipc.remove_residue(u, IPC_BUDGET_S)
+            return gone, kept, (ipc.UnitIpc(u.unit, u.uid, u.since, shm=shm) if shm else None)
+
+        try:
+            return await self.threads.run(f"{name}'s IPC residue", blocking, IPC_BOUND_S)
+        except (TimeoutError, Busy) as exc:
+            log.warning("leftovers not removed", unit=name, why=str(exc) or (
+                f"not returned in {IPC_BOUND_S:g} s (a /proc read the kernel does not answer?)"))
+            return [], [], None
+
+    async def _remove_tmp(self, work: _Removing, handed: bool) -> tuple[str | None, int | None]:
+        """(what was left of the private tmp directory, the entries walked): one rmdir on the
+        loop when it is empty, else the tree's removal on a thread, bounded."""
+        d = work.tmp
+        assert d is not None
+        if not handed and await self._remove_if_empty(d):
+            return None, None
+        counted: list[int] = []
+        try:
+            left = await self.threads.run(f"{work.unit}'s private tmp",
+                                          lambda: privatetmp.remove(d, deadline_s=TMP_BUDGET_S, counted=counted),
+                                          TMP_BOUND_S)
+        except (TimeoutError, Busy) as exc:
+            log.warning("leftovers not removed", unit=work.unit, private_tmp=d.path, why=str(exc) or (
+                f"not returned in {TMP_BOUND_S:g} s (a mount the kernel does not answer?)"))
+            left = "its removal did not return"
+        return left, (counted[0] if counted else None)
 
     def _sysv_since(self, since: float) -> ipc.SysvTables:
         """A reading of the System V tables taken at or after `since` (ipc.SysvTables)."""
@@ -444,27 +511,3 @@ class UnitCleanup:
             log.warning("IPC residue kept: still held by a live process", unit=name, kept=kept,
                         after_s=round(time.monotonic() - t0, 1))
         self._held_fresh.discard(name)
-
-    def _clean_blocking(self, work: _Removing, counted: list[int],
-                        handed: bool) -> tuple[list[str], list[str], str | None, ipc.UnitIpc | None]:
-        # What the unit created just before it died may still be queued: read first. A handed
-        # over removal took its record in the program before (or from the book handed over).
-        if not handed:
-            if self.watch is not None:
-                self.watch.drain()
-            work.ipc = self.book.take(work.unit)  # the loop reads it only to hand it over
-        return _remove(work.tmp, work.ipc, work.remove_ipc, counted)
-
-
-def _remove(d: privatetmp.TmpDir | None, u: ipc.UnitIpc | None, remove_ipc: bool,
-            counted: list[int] | None = None) -> tuple[list[str], list[str], str | None, ipc.UnitIpc | None]:
-    """(removed, kept, what was left of the tmp directory, the held /dev/shm entries)."""
-    tmp_left = privatetmp.remove(d, deadline_s=TMP_BUDGET_S, counted=counted) if d is not None else None
-    removed: list[str] = []
-    kept: list[str] = []
-    held = None
-    if u is not None and remove_ipc:
-        removed, kept, shm = ipc.remove_residue(u, IPC_BUDGET_S)
-        if shm:
-            held = ipc.UnitIpc(u.unit, u.uid, u.since, shm=shm)
-    return removed, kept, tmp_left, held

@@ -19,7 +19,7 @@ import zmq
 from omnid.base import linux
 from omnid.process.spawnexec import SPAWN_EXEC_TIMEOUT_S
 from tests.harness import alive, make_stack, wait_for
-from tests.hung import fuse_available, hung_fuse_mount
+from tests.hung import fuse_available, hung_fuse_mount, hung_fuse_mount_at
 
 N = 16
 
@@ -93,6 +93,41 @@ def test_a_spawn_on_a_hung_mount_fails_after_its_bound_and_freezes_nothing_else(
     assert SPAWN_EXEC_TIMEOUT_S - 1 <= failed_after <= SPAWN_EXEC_TIMEOUT_S + 15, failed_after
     print(f"\n[{path}] 16 killed -> 16 active again: {took * 1000:.0f} ms while the stuck spawn was out; "
           f"stuck failed {failed_after:.1f} s after the daemon's start")
+
+
+def test_a_mount_made_after_the_spawner_read_the_table_is_seen_at_the_next_spawn(tmp_path, daemon_factory):
+    """The spawner keeps the mount table it read until the kernel says it changed (POLLPRI on
+    /proc/self/mountinfo). A hung mount made on a unit's cwd after the table was read must
+    still send that unit's spawn down the forked path: on the vfork path the spawner would
+    wait for the child's chdir for good, and the next unit's restart with it."""
+    why = fuse_available()
+    if why:
+        pytest.skip(f"needs a FUSE mount: {why}")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    d = daemon_factory(make_stack({
+        "w": 'exec = ["sleep", "1000"]\nrestart = "always"\nrestart_sec = 0\nstart_limit_burst = 100\n',
+        "later": f'exec = ["sleep", "1000"]\ncwd = "{mnt}/models"\nrestart = "no"\n'}))
+    w = d.wait_state("w", "active")
+    d.wait_state("later", "failed")  # its cwd does not exist yet: the table has been read by now
+    if d.ok("status")["daemon"]["spawner_exec_path"] != "compiled":
+        pytest.skip("omnid.process._spawnc is not built here (python setup.py build_ext --inplace)")
+    unmount = hung_fuse_mount_at(str(mnt))
+    try:
+        rep = d.call("start", {"units": ["later"], "timeout": 1})
+        assert not rep["ok"] or d.unit("later")["state"] != "active", rep
+        spawner = w["pid"] and linux.read_stat(w["pid"]).ppid
+        wait_for(lambda: d_state_in_fuse(spawner), 5, "later's child in D state on the mount")
+        os.kill(w["pid"], signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_for(lambda: (u := d.unit("w"))["state"] == "active" and u["pid"] != w["pid"], 10,
+                 lambda: f"w restarted while later's spawn is out (the spawner vforked onto the mount?); "
+                         f"log:\n{d.log()[-3000:]}")
+        print(f"\nw restarted {1000 * (time.monotonic() - t0):.0f} ms after its death, beside the stuck spawn")
+        d.call("stop", {"units": ["later"]}, timeout=SPAWN_EXEC_TIMEOUT_S + 15)
+        wait_for(lambda: not d_state_in_fuse(spawner), 10, "later's child gone")
+    finally:
+        unmount()
 
 
 @pytest.mark.fast

@@ -96,11 +96,22 @@ class Spawner:
         self.outbox: list[tuple[dict, int]] = []
         self.children = Children()  # every child we hold, one record each (omnid/process/spawnexec.py)
         self.launcher = Launcher(self.children, self.poller, self.pid, self.tell, self.send)
-        self._mounts: list[tuple[str, str]] | None = None  # this turn's mount table (may_hang)
+        self._mounts: list[tuple[str, str]] | None = None  # the mount table as last read (may_hang)
+        # The kernel says when the mount table changed: /proc/self/mountinfo polls POLLPRI once
+        # per change (per open file). The table is read again only then (a read and its parse
+        # cost a restart ~0.1 ms), and at every turn where that cannot be asked.
+        self._mount_events: select.poll | None = None
+        try:
+            self._mountinfo = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+            self._mount_events = select.poll()
+            self._mount_events.register(self._mountinfo, select.POLLPRI)
+        except OSError:
+            self._mountinfo = -1
 
     def mounts(self) -> list[tuple[str, str]]:
-        """The mount table, read once per turn of the loop (a tier's spawns share one read)."""
-        if self._mounts is None:
+        """The mount table: read again when the kernel says it changed since it was read (or,
+        where it cannot say, once per turn of the loop: a tier's spawns share one read)."""
+        if self._mounts is None or (self._mount_events is not None and self._mount_events.poll(0)):
             self._mounts = mounts()
         return self._mounts
 
@@ -285,7 +296,8 @@ class Spawner:
         gc.freeze()
         timeout_ms: float | None = None
         while not self.stopping:
-            self._mounts = None  # mounts come and go between turns
+            if self._mount_events is None:
+                self._mounts = None  # mounts come and go between turns
             for fd, _ev in self.poller.poll(timeout_ms):
                 if fd == self.wake_r:
                     sigs = os.read(self.wake_r, 512)

@@ -218,6 +218,32 @@ def _reexec_with_a_removal_under_way(d, shm: str) -> None:
 
 
 
+def test_a_crash_restarts_without_waiting_for_its_old_tmp_directory(daemon_factory, tmp_path):
+    """The restart waits for its predecessor's IPC objects (a name it makes again must be
+    free), not for the tree in its old TMPDIR (a compiler's cache: gigabytes): the new
+    instance gets a directory of its own, and the old one goes beside it. Before, the
+    restart's spawn waited for the whole removal."""
+    n = 60_000
+    d = daemon_factory(filler_stack(tmp_path, 'restart = "always"\nrestart_sec = 0\n', n=n))
+    pid, path = filled_unit(d, n)
+    os.kill(pid, signal.SIGUSR1)  # it exits 1 by itself
+    seen = lambda: f"log:\n{d.log()[-3000:]}"  # noqa: E731
+    new = wait_for(lambda: (u := d.unit("u"))["state"] == "active" and u["pid"] not in (pid, None) and u["pid"],
+                   30, lambda: f"u restarted; {seen()}")
+    wait_for(lambda: log_lines(d, "leftovers removed"), 60, lambda: f"the old directory's removal; {seen()}")
+    events = d.log_events()
+    at = {e: i for i, e in reversed(list(enumerate(
+        ("started" if ev.get("event") == "unit state" and ev.get("to") == "active" and ev.get("pid") == new
+         else ev.get("event")) for ev in events)))}
+    removed = [e for e in events if e.get("event") == "leftovers removed"]
+    assert removed[0]["private_tmp_entries"] >= n and removed[0]["private_tmp_left"] is None, removed
+    assert at["started"] < at["leftovers removed"], \
+        f"the new instance was active only after the old directory's removal ({removed[0]['seconds']} s); {seen()}"
+    assert not os.path.lexists(path) and unit_tmp(new) != path
+    print(f"\nthe new instance active while the old directory's {removed[0]['private_tmp_entries']} entries "
+          f"went ({removed[0]['seconds']} s)")
+
+
 # ------------------------------------------------------------ the parts, one by one
 S, P, E = UnitState, Phase, Event
 

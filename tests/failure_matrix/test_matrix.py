@@ -136,8 +136,17 @@ class DeathWatch:
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+        _open_watches.append(self)
 
     def _run(self) -> None:
+        # Ahead of every other process, so that the moment noted is the death's and not this
+        # thread's turn for a CPU: at load 15, two deaths 10 ms apart were once seen in one
+        # wake-up and noted as simultaneous. SCHED_FIFO where allowed (root), else nice -20.
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), -20)
         left = set(self.fds)
         while left:
             ready, _, _ = select.select([*left, self._wake_r], [], [])
@@ -157,10 +166,24 @@ class DeathWatch:
                 f"{then} died before {first} had: {self.died}"
 
     def close(self) -> None:
+        if self not in _open_watches:
+            return
+        _open_watches.remove(self)
         os.write(self._wake_w, b"x")
         self._thread.join(5)
         for fd in (*self.fds, self._wake_r, self._wake_w):
             os.close(fd)
+
+
+_open_watches: list[DeathWatch] = []
+
+
+@pytest.fixture(autouse=True)
+def _death_watches_closed():
+    """A row that fails midway still closes its DeathWatch (pidfds, pipe) before the leak check."""
+    yield
+    while _open_watches:
+        _open_watches[-1].close()
 
 
 @contextlib.contextmanager

@@ -68,6 +68,24 @@ class Held:
         _kill(self.proc.pid)
         self.proc.wait(10)
         assert mmlock.join_readers() == [], "reads of the held process still out after the release"
+        # omnid's own readers (a TagReader's threads) that waited on the lock return once it is
+        # released, each closing its file a moment later: under load, after the leak check
+        # looked (a run at load 12 saw /proc/PID/environ still open).
+        wait_for(lambda: not _open_on(self.proc.pid), 10,
+                 lambda: f"omnid's reads of the held process to return: {_open_on(self.proc.pid)}")
+
+
+def _open_on(pid: int) -> list[str]:
+    """This process's fds open on /proc/PID/* (reads of the held process still out)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(f"/proc/{pid}/"):
+            out.append(target)
+    return out
 
 
 @pytest.fixture

@@ -784,8 +784,8 @@ def test_a_segment_made_after_another_units_removal_read_the_tables_still_goes(d
         wait_for(lambda: units["b"][1].exists(), 20, "b's segment")
         made.append(int(units["b"][1].read_text()))
         os.kill(pb, signal.SIGKILL)
-        ub = wait_for(lambda: (u := d.unit("b"))["state"] == "failed" and u, 15,
-                      lambda: f"b failed: {d.unit('b')} (log:\n{d.log()[-2000:]})")
+        ub = wait_for(lambda: (u := d.unit("b"))["state"] == "failed" and u["ipc_removed"] and u, 15,
+                      lambda: f"b failed, its removal said: {d.unit('b')} (log:\n{d.log()[-2000:]})")
         assert made[1] not in rows("shm"), f"b's segment {made[1]} is left (b: {ub}; a: {ua})"
         assert any("System V shm" in x for x in ub["ipc_removed"]), ub
     finally:

@@ -345,6 +345,8 @@ class UnitCleanup:
                 removed, kept, held = await self._remove_ipc(work, handed)
             finally:
                 work.ipc_over.set()
+            if rt is not None:  # what `status` says from now on, not once the directory is gone too
+                rt.ipc_removed = removed
             if removed or kept:  # said now: a re-exec may hand the rest over before the tmp part ends
                 log.info("IPC residue", unit=name, removed=removed, kept=kept,
                          ms=round((time.monotonic() - t0) * 1000, 1),
@@ -369,8 +371,6 @@ class UnitCleanup:
             log.info("leftovers removed", unit=name, seconds=round(r.seconds, 3), private_tmp_entries=entries,
                      private_tmp_left=tmp_left, ipc_removed=len(removed),
                      **({"handed_over": "by the program before a re-exec"} if handed else {}))
-        if rt is not None:
-            rt.ipc_removed = removed
         if held is not None:
             self._look_again(held)
 

@@ -95,9 +95,10 @@ def test_capture_of_a_64_process_unit_lists_every_process_and_thread():
 def test_capture_of_64_python_processes_stays_within_a_short_budget_and_says_what_it_missed():
     with hung.process_group(64, python=True) as h:
         cap, took = run_capture(h.members, budget_s=0.5)
-    # Never longer than its budget (a little scheduling slack on a loaded 2-core machine).
+    # Never longer than its budget (a little scheduling slack on a loaded 2-core machine: the
+    # capture's own clock takes the same slack as the caller's, 0.56 s was seen at load 15).
     assert took <= 0.5 + 0.25, took
-    assert cap.seconds <= 0.5 + 0.05
+    assert cap.seconds <= 0.5 + 0.25, cap.seconds
     assert len(cap.processes) == 64
     got = sum(1 for p in cap.processes if p.python)
     if got < 64:

@@ -104,16 +104,23 @@ class Load:
             time.sleep(0.002)
 
     def _capacity(self) -> None:
-        while not self.stop.is_set():
-            began = time.monotonic()
-            self.samples.append(sum(get(int(self.prefix + str(i)), "/health", 1) is not None for i in range(4)))
-            self.sampled_at.append(began)
-            time.sleep(0.005)
+        # A sample's four probes go at one moment, each on a thread of its own. Probed one after
+        # another (each up to its timeout), a sample at load 15 straddled a step of the roll: the
+        # instance not back yet when probed and the next one, stopped by the time it was probed,
+        # were both counted down (2), though the roll never had two down at once.
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(4, thread_name_prefix="capacity") as pool:
+            while not self.stop.is_set():
+                began = time.monotonic()
+                got = list(pool.map(lambda i: get(int(self.prefix + str(i)), "/health", 2), range(4)))
+                self.samples.append(sum(g is not None for g in got))
+                self.sampled_at.append(began)
+                time.sleep(0.005)
 
     def samples_since(self, t: float, n: int, timeout: float = 30) -> list[int]:
-        """The first `n` capacity samples begun at or after monotonic time `t` (a sample probes
-        the four ports one after another: on a loaded machine one begun before the last instance
-        was ready ends after it, and says 3)."""
+        """The first `n` capacity samples begun at or after monotonic time `t` (one begun before
+        the last instance was ready can end after it, and say 3)."""
         def since():
             got = [c for at, c in zip(self.sampled_at, self.samples) if at >= t]
             return got[:n] if len(got) >= n else None

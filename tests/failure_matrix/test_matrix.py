@@ -67,11 +67,12 @@ def under_load(s: DemoStack, load: bool):
             ld.stop()
 
 
-def finish(row: str, ld: Load | None, fault: float, **figures) -> None:
-    """Under load: every request in flight at the fault ended within 2 s. Then report."""
+def finish(row: str, ld: Load | None, fault: float, serve_killed: bool = False, **figures) -> None:
+    """Under load: every request in flight at the fault ended within 2 s (Load.check_fail_fast).
+    Then report."""
     if ld:
         ld.stop()
-        figures.update(ld.check_fail_fast(fault))
+        figures.update(ld.check_fail_fast(fault, serve_killed=serve_killed))
     report(row, **figures)
 
 
@@ -280,7 +281,7 @@ def _serve_fault(stack_factory, row: str, sig: int, load: bool, restart: str = "
         else:
             wait_for(lambda: d.http("/health")[0] == 200, 60, "the serve back by itself")
         figures = {"failed_ms": round(ms, 1)}
-        finish(row, ld, fault, **figures)
+        finish(row, ld, fault, serve_killed=True, **figures)
 
 
 def test_fm03_sigkill_serve(stack_factory):

@@ -155,21 +155,27 @@ class LongRequest:
 
 
 class KeptInFlight:
-    """`count` long completions kept in flight on `port` by a thread: one that ends is
-    replaced at once. After stop() returns none is sent; `sent` holds every one."""
+    """Long completions kept in flight on `port` by a thread, one per length in `max_tokens`:
+    one that ends is replaced at once. The lengths differ so that they never end together
+    (equal ones, sent together, were batched and finished in one step: a kill at load 15
+    came in that step's last moment and all three were answered 200). After stop() returns
+    none is sent; `sent` holds every one."""
 
-    def __init__(self, port: int, max_tokens: int, count: int) -> None:
+    def __init__(self, port: int, max_tokens: tuple[int, ...]) -> None:
         self.sent: list[LongRequest] = []
         self._stopped = threading.Event()
-        self._args = (port, max_tokens, count)
+        self._args = (port, max_tokens)
         self._thread = threading.Thread(target=self._keep, daemon=True, name="long-requests")
         self._thread.start()
 
     def _keep(self) -> None:
-        port, max_tokens, count = self._args
+        port, lengths = self._args
+        slots: dict[int, LongRequest] = {}
         while not self._stopped.is_set():
-            for _ in range(count - sum(1 for r in self.sent if r.end is None)):
-                self.sent.append(LongRequest(port, max_tokens))
+            for i, n in enumerate(lengths):
+                if i not in slots or slots[i].end is not None:
+                    slots[i] = LongRequest(port, n)
+                    self.sent.append(slots[i])
             self._stopped.wait(0.005)
 
     def stop(self) -> None:
@@ -460,9 +466,10 @@ def test_fm40_enginecore_sigkill_on_one_held_socket_fails_no_request_after_it(
         # Requests the killed instance is sure to hold: long completions sent to its own
         # address, running when the kill comes. They must fail, and fast.
         # On a quiet machine one is done within a second, and at load 20 the test was seen
-        # descheduled past both of a pair between seeing them run and the kill: three are kept
-        # in flight, each that ends replaced at once, until just before the kill.
-        long = KeptInFlight(own, max_tokens=480, count=3)
+        # descheduled past both of a pair between seeing them run and the kill: three of
+        # different lengths are kept in flight, each that ends replaced at once, until just
+        # before the kill.
+        long = KeptInFlight(own, max_tokens=(480, 330, 190))
         wait_for(lambda: _running(own) >= 1, 10, f"long completions running on {victim_unit}", interval=0.02)
         long.stop()
         t_kill = time.monotonic()

@@ -144,3 +144,49 @@ def test_no_circle_of_imports():
         if m not in state:
             visit(m, [m])
     assert not circles, "modules that import each other in a circle:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def everything_loaded_by(start: str, known: dict[str, Path]) -> dict[str, str]:
+    """{module: the omnid module that imports it} for every module, omnid's or not, that
+    loading `start` can load: its imports, lazy ones inside functions included, and theirs,
+    with the packages on the way (importing omnid.a.b runs omnid/a/__init__.py)."""
+    by: dict[str, str] = {}
+    todo = [start]
+    while todo:
+        me = todo.pop()
+        tree = ast.parse(known[me].read_text(), str(known[me]))
+        package = me if known[me].name == "__init__.py" else me.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                mod = (".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [node.module or ""])
+                       .rstrip(".") if node.level else node.module or "")
+                found |= {resolve(mod, a.name, known) for a in node.names}
+        for mod in found:
+            parts = mod.split(".")
+            for i in range(1, len(parts) + 1):
+                step = ".".join(parts[:i])
+                if step not in by and step != start:
+                    by[step] = me
+                    if step in known:
+                        todo.append(step)
+    return by
+
+
+def test_a_status_asked_before_the_health_api_is_up_never_loads_aiohttp():
+    """The control socket's handlers run on the event loop. A `status` asked while the health
+    API was still loading (right after the daemon's start, as every test and `omnid start`
+    ask) once imported aiohttp there, through the health verdict: ~200 ms in which the loop
+    saw no death, and the first answer came only after it. aiohttp is for the health API,
+    which loads it in a thread (omnid.daemon.fronts)."""
+    known = modules()
+    by = everything_loaded_by("omnid.api.handlers", known)
+    if "aiohttp" in by:
+        chain, mod = ["aiohttp"], "aiohttp"
+        while mod in by:
+            mod = by[mod]
+            chain.append(mod)
+        pytest.fail("the control handlers load aiohttp on the event loop: " + " <- ".join(chain))
+    assert "omnid.api.verdict" in by  # the walk does reach the verdict the handlers share with /health

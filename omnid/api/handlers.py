@@ -151,10 +151,10 @@ class ControlHandlers:
 
     def health_verdict(self) -> str:
         """What GET /health says now (ok, starting, degraded, failed, draining, stopping)."""
-        from omnid.api import health
+        from omnid.api import verdict
 
         sup = self.sup
-        return health.overall(sup, sup.degraded, health.gpu_view(sup))
+        return verdict.overall(sup, sup.degraded, verdict.gpu_view(sup))
 
     def down_because(self) -> dict[str, str]:
         """{unit: the failed unit it requires (directly or through others)} for each unit that

@@ -38,6 +38,18 @@ for _name in ("KUBERNETES_SERVICE_HOST", "SLURM_JOB_ID"):
 _TEMP_DIRS: list[Path] = []
 
 
+def skip_module_without(module: str, reason: str) -> None:
+    """Skip the calling test module when `module` is not installed, without importing it: the
+    tests that need torch run it in their units, never in pytest, and an import of torch costs
+    each xdist worker's collection ~2 s of CPU (pytest.importorskip imports)."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{reason} ({module} is not installed)", allow_module_level=True)
+
+
 def temp_dir(prefix: str) -> Path:
     d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     _TEMP_DIRS.append(d)

@@ -23,11 +23,11 @@ import pytest
 
 from omnid.base import linux
 from omnid.demo import rankprogress
-from tests.harness import Daemon, alive, free_port, temp_dir, wait_for
+from tests.harness import Daemon, alive, free_port, skip_module_without, temp_dir, wait_for
 from tests.netns import HostDaemon, Testbed, ranks_stack, unavailable
 
 pytest.importorskip("aetcd", reason="the cluster tests need the etcd client (pip install '.[cluster]')")
-pytest.importorskip("torch", reason="the ranks are torch gloo processes (the demo extra)")
+skip_module_without("torch", "the ranks are torch gloo processes (the demo extra)")
 _why = unavailable()
 # One testbed at a time (xdist group "netns"): each runs an etcd whose 3 s leases the tests time
 # against, and two beds' etcds and hosts at once starve each other on two cores.

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from omnid.demo import rankprogress
-from tests.harness import REPO, alive, free_port, make_stack, wait_for
+from tests.harness import REPO, alive, free_port, make_stack, skip_module_without, wait_for
 
-torch = pytest.importorskip("torch", reason="the collective-job tests need torch (the demo extra)")
+skip_module_without("torch", "the collective-job tests need torch (the demo extra)")
 
 PY = sys.executable
 

@@ -269,7 +269,21 @@ class Daemon:
                      "the daemon's control socket")
             if self.proc.poll() is not None:
                 raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            # The health API comes up after the control socket (its aiohttp import waits for the
+            # first tier's spawns, then runs on a thread): a test that reads /health around a
+            # fault must not take its first answer late, after the fault is over.
+            wait_for(lambda: self.proc.poll() is not None or self._health_served(), 30,
+                     "the health API's first answer")
         return self
+
+    def _health_served(self) -> bool:
+        """The health API answered (a connection made before aiohttp serves waits in the
+        backlog of the socket the daemon bound first, so this returns once it does)."""
+        try:
+            self.http("/health/live")
+        except OSError:  # refused, reset or timed out: not yet
+            return False
+        return True
 
     @property
     def pid(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -455,6 +456,43 @@ def test_daemon_notifies_systemd_status_ready_watchdog_extend_and_stopping_in_or
     assert any(ln.startswith("STATUS=ready: 2/2 units active") for ln in lines), lines
     # once: the slow unit's own READY=1 went to the daemon's socket, never to systemd's
     assert lines.count("READY=1") == 1
+
+
+def test_a_service_manager_that_does_not_read_stops_neither_the_loop_nor_loses_ready(tmp_path):
+    """sd_notify's socket holds ten datagrams. A manager that stops reading it (busy, stuck)
+    once had the daemon's loop wait in sendto() at its next ping: no death seen, /health and
+    the control socket silent until the manager read again. Here the queue is full (filled
+    here, until the kernel refuses one more) before the stack settles: the daemon still
+    answers, /health still shows a death, and READY=1, held meanwhile, arrives once the
+    manager reads."""
+    listener = NotifyListener(str(tmp_path / "notify"))
+    slow = tmp_path / "slow.py"
+    slow.write_text("import os, socket, time\ntime.sleep(1.5)\n"
+                    "a = os.environ['NOTIFY_SOCKET']\na = '\\0' + a[1:] if a.startswith('@') else a\n"
+                    "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\ns.sendto(b'READY=1', a)\n"
+                    "while True: time.sleep(3600)\n")
+    stack = make_stack({"slow": f'exec = ["{PY}", "{slow}"]\nready = "notify"\n',
+                        "victim": 'exec = ["sleep", "1000"]\nrestart = "no"\n'})
+    stuffing = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    while True:  # full before the daemon starts: everything it says must wait
+        try:
+            stuffing.sendto(b"STUFFING", socket.MSG_DONTWAIT, listener.path)
+        except BlockingIOError:
+            break
+    d = Daemon(stack, env={"NOTIFY_SOCKET": listener.path, "WATCHDOG_USEC": "1000000"})  # a ping each 0.5 s
+    try:
+        d.start()
+        d.wait_state("slow", "active")  # the stack settled: READY=1 is due while nothing can go
+        victim = d.wait_state("victim", "active")["pid"]
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: d.http("/health")[0] == 503, 10, "/health to show the death while systemd does not read")
+        wait_for(lambda: listener.has("READY=1"), 10, lambda: f"READY=1 once systemd reads (got {listener.messages})")
+        wait_for(lambda: sum(ln == "WATCHDOG=1" for ln in listener.lines()) >= 3, 5, "the pings again")
+    finally:
+        stuffing.close()
+        d.close()
+        listener.sock.close()
+    assert "the service manager does not read its notify socket" in d.closed_log, d.closed_log[-2000:]
 
 
 def test_systemd_analyze_verify_accepts_the_unit_file(tmp_path):

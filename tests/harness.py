@@ -50,6 +50,14 @@ def skip_module_without(module: str, reason: str) -> None:
         pytest.skip(f"{reason} ({module} is not installed)", allow_module_level=True)
 
 
+def run_delay_s() -> float:
+    """The calling thread's time spent runnable but waiting for a CPU (schedstat's second
+    field): what a bound on a wall-clock wait leaves out on a loaded host, where the waiting
+    test itself, not the daemon it watches, can be the one kept off the CPU."""
+    with open("/proc/thread-self/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
+
+
 def temp_dir(prefix: str) -> Path:
     d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     _TEMP_DIRS.append(d)
@@ -304,6 +312,14 @@ class Daemon:
             except ValueError:
                 continue
         return out
+
+    def logged_pid(self, unit: str, to: str) -> int:
+        """The pid of `unit` the first time the daemon logged it entering state `to`: for a
+        state that may be over before a test's first look on a loaded host."""
+        for e in self.log_events():
+            if e.get("event") == "unit state" and e.get("unit") == unit and e.get("to") == to:
+                return e["pid"]
+        raise AssertionError(f"the daemon never logged {unit} entering {to}:\n{self.log()[-3000:]}")
 
     def wait_exit(self, timeout: float) -> int:
         assert self.proc is not None

@@ -361,6 +361,14 @@ class HostDaemon(Daemon):
                              capture_output=True, text=True, timeout=20).stdout.split("\n", 1)
         return int(out[0]), json.loads(out[1])
 
+    def _health_served(self) -> bool:
+        """As Daemon's, asked from inside the host's namespace (where the daemon listens)."""
+        try:
+            self.health()
+        except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+            return False
+        return True
+
 
 def ranks_stack(bed: Testbed, host: str, hosts: list[str], progress: Path, port: int, *, ttl: int = 3,
                 restart: str = "on-failure", exit_when_failed: bool = False, local: int = 2,

@@ -418,9 +418,7 @@ def test_notify_unit_that_never_sends_ready_fails_at_ready_timeout(tmp_path, dae
     stack = make_stack({"mute": 'exec = ["sleep", "1000"]\nready = "notify"\nready_timeout = 0.5\n'})
     d = daemon_factory(stack)
     u = d.wait_state("mute", "failed", timeout=10)
-    # Its pid from the daemon's log: on a loaded host the 0.5 s may be over before a first look.
-    pid = next(e["pid"] for e in d.log_events()
-               if e.get("event") == "unit state" and e.get("unit") == "mute" and e.get("to") == "starting")
+    pid = d.logged_pid("mute", "starting")  # its 0.5 s may be over before a first look on a loaded host
     assert u["reason"].startswith("not ready after 0.5 s"), u["reason"]
     assert not alive(pid) and u["pid"] is None
     wait_for(lambda: health_names(d, "mute", "not ready after 0.5 s"), 5, "/health naming the ready timeout")

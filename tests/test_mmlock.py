@@ -28,7 +28,7 @@ from omnid.core import spawning
 from omnid.gpu.backend import GpuProcess
 from omnid.process import tags as tagmod
 from tests import mmlock
-from tests.harness import make_stack, temp_dir, wait_for
+from tests.harness import make_stack, run_delay_s, temp_dir, wait_for
 from tests.hung import fuse_available
 
 pytestmark = pytest.mark.skipif(fuse_available() is not None, reason=f"a held mm lock needs FUSE: {fuse_available()}")
@@ -316,9 +316,9 @@ def test_fm_a_notify_datagram_from_a_held_process_is_answered_within_the_bound(h
     def notify() -> None:
         # What the thread waited for a CPU is the machine's load, not the daemon's bound: it
         # is taken off (a loaded run saw 1.04 s of wall time for this call).
-        delay0, t0 = _run_delay_s(), time.monotonic()
+        delay0, t0 = run_delay_s(), time.monotonic()
         out.append(m.on_notify(held.pid, {"READY": "1"}))
-        took, waited = time.monotonic() - t0, _run_delay_s() - delay0
+        took, waited = time.monotonic() - t0, run_delay_s() - delay0
         times.extend((took, waited))
 
     t = threading.Thread(target=notify, daemon=True)
@@ -329,12 +329,6 @@ def test_fm_a_notify_datagram_from_a_held_process_is_answered_within_the_bound(h
     print(f"on_notify from the held process: {took * 1000:.1f} ms, of them {waited * 1000:.1f} ms waiting for a CPU")
     assert took - waited < 0.5, (took, waited)
     assert m.early == {}
-
-
-def _run_delay_s() -> float:
-    """The calling thread's time spent runnable but waiting for a CPU (schedstat's second field)."""
-    with open("/proc/thread-self/schedstat") as f:
-        return int(f.read().split()[1]) / 1e9
 
 
 def test_fm_status_s_kernel_placement_of_a_held_process_is_answered_within_its_bound(held):

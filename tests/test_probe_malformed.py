@@ -359,9 +359,9 @@ ready = {{ http = "{url}/health" }}
 liveness = {{ http = "{url}/live", interval = 0.2, timeout = 1, failures = 2 }}
 stop_timeout = 2
 """}))
-    pid = d.wait_state("eng", "active")["pid"]
     u = wait_for(lambda: (x := d.unit("eng"))["state"] == "failed" and x, 15,
                  lambda: f"eng to fail its liveness probe: {d.unit('eng')}\n{d.log()[-2000:]}")
+    pid = d.logged_pid("eng", "active")  # active first (liveness runs there): ~0.4 s, maybe over before a look
     assert u["reason"].startswith(f"liveness: GET {url}/live: {words} (2/2)"), u["reason"]  # then its stacks
     assert not alive(pid)
     _daemon_said_nothing_internal(d)

@@ -383,9 +383,9 @@ progress = {{ metrics = "{url}/metrics", counter = "tok_total", busy = ["busy"],
 stop_timeout = 2
 capture_timeout = 2
 """}))
-    pid = d.wait_state("eng", "active")["pid"]
     u = wait_for(lambda: (x := d.unit("eng"))["state"] == "failed" and x, 20,
                  lambda: f"eng to fail for a stall: {d.unit('eng')}\n{d.log()[-2000:]}")
+    pid = d.logged_pid("eng", "active")  # active first (progress is judged there): ~2 s, maybe over before a look
     assert u["reason"].startswith("progress: tok_total stuck at 3 for "), u["reason"]
     assert (f"while busy = 1; metrics unreadable (GET {url}/metrics: malformed chunk size b'-1\\r\\n')"
             in u["reason"]), u["reason"]

@@ -430,13 +430,19 @@ class NotifyListener:
         return [line for m in self.drain() for line in m.split("\n")]
 
 
-def test_daemon_notifies_systemd_status_ready_watchdog_extend_and_stopping_in_order(tmp_path):
-    listener = NotifyListener(str(tmp_path / "notify"))
+def slow_notifier(tmp_path: Path, delay_s: float) -> Path:
+    """A `ready = "notify"` unit's program that says READY=1 after `delay_s`, then idles."""
     slow = tmp_path / "slow.py"
-    slow.write_text("import os, socket, time\ntime.sleep(2.5)\n"
+    slow.write_text(f"import os, socket, time\ntime.sleep({delay_s})\n"
                     "a = os.environ['NOTIFY_SOCKET']\na = '\\0' + a[1:] if a.startswith('@') else a\n"
                     "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\ns.sendto(b'READY=1', a)\n"
                     "while True: time.sleep(3600)\n")
+    return slow
+
+
+def test_daemon_notifies_systemd_status_ready_watchdog_extend_and_stopping_in_order(tmp_path):
+    listener = NotifyListener(str(tmp_path / "notify"))
+    slow = slow_notifier(tmp_path, 2.5)
     stack = make_stack({"fast": 'exec = ["sleep", "1000"]\n',
                         "slow": f'exec = ["{PY}", "{slow}"]\nready = "notify"\n'})
     d = Daemon(stack, env={"NOTIFY_SOCKET": listener.path, "WATCHDOG_USEC": "400000"})
@@ -466,11 +472,7 @@ def test_a_service_manager_that_does_not_read_stops_neither_the_loop_nor_loses_r
     answers, /health still shows a death, and READY=1, held meanwhile, arrives once the
     manager reads."""
     listener = NotifyListener(str(tmp_path / "notify"))
-    slow = tmp_path / "slow.py"
-    slow.write_text("import os, socket, time\ntime.sleep(1.5)\n"
-                    "a = os.environ['NOTIFY_SOCKET']\na = '\\0' + a[1:] if a.startswith('@') else a\n"
-                    "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\ns.sendto(b'READY=1', a)\n"
-                    "while True: time.sleep(3600)\n")
+    slow = slow_notifier(tmp_path, 1.5)
     stack = make_stack({"slow": f'exec = ["{PY}", "{slow}"]\nready = "notify"\n',
                         "victim": 'exec = ["sleep", "1000"]\nrestart = "no"\n'})
     stuffing = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

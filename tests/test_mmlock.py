@@ -201,6 +201,9 @@ def test_the_gpu_precheck_still_refuses_a_readable_leftover():
     env = dict(os.environ, **{tagmod.UNIT_TAG: "old-worker"})
     p = subprocess.Popen(["sleep", "100"], env=env)
     try:
+        # Its environment is the tagged one only once it has exec'd (fresh-clone run 19: read
+        # before, at load 26, it was pytest's, untagged).
+        wait_for(lambda: os.path.basename(os.readlink(f"/proc/{p.pid}/exe")) == "sleep", 10, "sleep's exec")
         refusal = spawning.gpu_held_by_leftover(SimpleNamespace(name="worker", gpus=[0]), _OneHolder(p.pid), set())
         assert refusal is not None and f"pid {p.pid}" in refusal and "unit old-worker" in refusal, refusal
     finally:

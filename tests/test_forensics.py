@@ -100,9 +100,13 @@ def test_capture_of_64_python_processes_stays_within_a_short_budget_and_says_wha
     assert took <= 0.5 + 0.25, took
     assert cap.seconds <= 0.5 + 0.25, cap.seconds
     assert len(cap.processes) == 64
-    got = sum(1 for p in cap.processes if p.python)
-    if got < 64:
-        assert any("python stacks" in m for m in cap.missing), cap.missing
+    # Each process without its Python stack is named in `missing` with why: its stack not
+    # reached, or (at load 26 in fresh-clone CI) its /proc not even read within the budget.
+    unread = [p.pid for p in cap.processes if not p.python]
+    for pid in unread:
+        said = [m for m in cap.missing if m.startswith(f"pid {pid}: ")]
+        assert any("python stacks" in m or "not read within capture_timeout" in m for m in said), (pid, cap.missing)
+    if unread:
         assert "[not captured: " in cap.summary
     no_helper_left()
 

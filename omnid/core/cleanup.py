@@ -56,6 +56,13 @@ TMP_BUDGET_S = 10.0
 IPC_BOUND_S = IPC_BUDGET_S + 2.5
 TMP_BOUND_S = TMP_BUDGET_S + 2.5
 REMOVAL_BOUND_S = IPC_BOUND_S + TMP_BOUND_S
+# A tree its first slice could not remove (a compiler's cache of millions of files; 150,000
+# at load 26 here) is not left for good: later slices go on with it, one at a time for the
+# whole daemon on a thread of their own, a pause between them, until it is gone, a slice
+# removes nothing, or this many entries were walked in all (something refills it).
+TMP_SLICE_S = 5.0
+TMP_SLICE_PAUSE_S = 0.1
+TMP_MAX_ENTRIES = 50_000_000
 MAX_STUCK = 2  # removals or looks not returned before the next are not tried
 HELD_RETRY_S = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8)  # ~25 s of looks at held /dev/shm entries
 
@@ -94,6 +101,9 @@ class _Removing:
     result: Removal | None = None  # once it is over
     # Set once the IPC part is over (done, or given up): what the unit's next spawn waits for.
     ipc_over: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set once `result` says what the removal did (its end, or its first slice's bound with the
+    # rest going on in the background): what a stop summary and the daemon's end wait for.
+    reported: asyncio.Event = field(default_factory=asyncio.Event)
     # Made once the instance is over (the kernel's proof, or a stop's release): a reading of
     # /proc/sysvipc taken after this holds every System V object the instance made.
     since: float = field(default_factory=time.monotonic)
@@ -144,6 +154,10 @@ class UnitCleanup:
         self._rmdirs: list[tuple[privatetmp.TmpDir, asyncio.Future[bool]]] = []
         self._rmdir_task: asyncio.Task | None = None
         self._rmdir_threads = OwnThreads(1, kind="removal")
+        # Later slices of trees a first slice could not remove (TMP_SLICE_S): one at a time.
+        self._slice_threads = OwnThreads(1, kind="removal")
+        self._slice_turn = asyncio.Lock()
+        self._finishing: dict[asyncio.Task, str] = {}  # a previous daemon's trees gone on with: their paths
         self._sysv: ipc.SysvTables | None = None  # the last reading, shared by removals it serves
 
     # ------------------------------------------------------------ daemon life
@@ -166,17 +180,47 @@ class UnitCleanup:
         if self.record is not None and self._previous:
             keep = {d.path for d in self.tmp.values()} | {r.tmp.path for r in self._removing if r.tmp is not None}
             previous, self._previous = self._previous, []
-            await asyncio.to_thread(self.record.sweep, previous, keep)
+            _, unfinished = await asyncio.to_thread(self.record.sweep, previous, keep)
+            for d in unfinished:
+                self.record.add(d)  # still to remove: a later daemon knows it too
+                task = report_crash(asyncio.get_running_loop().create_task(self._finish_previous(d)),
+                                    "private tmp sweep")
+                self._finishing[task] = d.path
+                task.add_done_callback(lambda t: self._finishing.pop(t, None))
+
+    async def _finish_previous(self, d: privatetmp.TmpDir) -> None:
+        t0 = time.monotonic()
+        log.info("a previous daemon's private tmp directory is large: its removal goes on in the background",
+                 unit=d.unit, path=d.path)
+        left, entries = await self._go_on(d.unit, d, 0)
+        if left is None:
+            if self.record is not None:
+                self.record.drop(d)
+            log.info("removed a private tmp directory a previous daemon left", unit=d.unit, path=d.path,
+                     entries=entries, seconds=round(time.monotonic() - t0, 3))
+        else:
+            log.warning("a previous daemon's private tmp directory was not removed", unit=d.unit, why=left)
 
     async def settle(self, timeout: float = SETTLE_WAIT_S) -> None:
-        """Every removal under way finished (the daemon's end, every unit stopped), bounded;
-        held entries get their last look at once."""
+        """Every removal under way finished or gone to the background (the daemon's end, every
+        unit stopped), bounded; held entries get their last look at once. A tree still being
+        removed in the background is left in the record: the next start's sweep goes on."""
         self._last_look.set()
-        tasks = [t for t in (*self._tasks.values(), *self._held_tasks.values()) if not t.done()]
-        if tasks:
-            await asyncio.wait(tasks, timeout=timeout)
+        waits = [asyncio.ensure_future(w.reported.wait()) for w in self._removing if not w.reported.is_set()]
+        tasks = [*waits, *(t for t in self._held_tasks.values() if not t.done())]
+        try:
+            if tasks:
+                await asyncio.wait(tasks, timeout=timeout)
+        finally:
+            for t in waits:
+                t.cancel()
         for t in self._held_tasks.values():
             t.cancel()
+        going_on = [w.tmp.path for w in self._removing if w.reported.is_set() and w.tmp is not None]
+        going_on += self._finishing.values()
+        if going_on:
+            log.warning("private tmp removals not finished at the daemon's end: the next start goes on with them",
+                        paths=going_on)
 
     def flush_record(self) -> None:
         """The private tmp record on disk now, if it changed (before spawn requests leave: a
@@ -316,7 +360,10 @@ class UnitCleanup:
             except TimeoutError:
                 pass
             return work.result
-        await asyncio.wait([work.task], timeout=SETTLE_WAIT_S + REMOVAL_BOUND_S)
+        try:  # its end, or its first slice's bound (the rest goes on in the background)
+            await asyncio.wait_for(work.reported.wait(), SETTLE_WAIT_S + REMOVAL_BOUND_S)
+        except TimeoutError:
+            pass
         if work.result is not None:
             work.result.record_in(rec)
         return work.result
@@ -337,6 +384,17 @@ class UnitCleanup:
         held: ipc.UnitIpc | None = None
         tmp_left: str | None = None
         entries: int | None = None
+        t0 = time.monotonic()
+
+        def first_slice_over(entries: int) -> None:  # more to remove: said now, gone on with
+            work.result = Removal(time.monotonic() - t0, entries, f"{d.path}: {entries} entries removed in "
+                                  f"{time.monotonic() - t0:.1f} s; the rest is being removed in the background",
+                                  removed, kept)
+            work.reported.set()
+            log.info("private tmp directory is large: its removal goes on in the background", unit=name,
+                     path=d.path if d is not None else None, entries=entries,
+                     seconds=round(time.monotonic() - t0, 3))
+
         try:
             if after is not None and not after.done():
                 await asyncio.wait([after], timeout=SETTLE_WAIT_S)
@@ -357,10 +415,11 @@ class UnitCleanup:
                 # so that the old directory goes after that ask, not before it (~0.3 ms).
                 for _ in range(2):
                     await asyncio.sleep(0)
-                tmp_left, entries = await self._remove_tmp(work, handed)
+                tmp_left, entries = await self._remove_tmp(work, handed, first_slice_over)
             r = work.result = Removal(time.monotonic() - t0, entries, tmp_left, removed, kept)
         finally:
             work.ipc_over.set()
+            work.reported.set()
             if work in self._removing:
                 self._removing.remove(work)
         if d is not None and self.record is not None and tmp_left is None:
@@ -406,21 +465,46 @@ class UnitCleanup:
                 f"not returned in {IPC_BOUND_S:g} s (a /proc read the kernel does not answer?)"))
             return [], [], None
 
-    async def _remove_tmp(self, work: _Removing, handed: bool) -> tuple[str | None, int | None]:
+    async def _remove_tmp(self, work: _Removing, handed: bool,
+                          first_slice_over: Callable[[int], None]) -> tuple[str | None, int | None]:
         """(what was left of the private tmp directory, the entries walked): one rmdir on the
-        loop when it is empty, else the tree's removal on a thread, bounded."""
+        loop when it is empty, else the tree's removal on a thread, bounded; a tree its first
+        slice did not remove is gone on with in the background (first_slice_over says so)."""
         d = work.tmp
         assert d is not None
         if not handed and await self._remove_if_empty(d):
             return None, None
+        left, entries = await self._tmp_slice(work.unit, d, self.threads, TMP_BUDGET_S)
+        if not (privatetmp.bound_reached(left) and entries):
+            return left, entries
+        first_slice_over(entries)
+        return await self._go_on(work.unit, d, entries)
+
+    async def _go_on(self, unit: str, d: privatetmp.TmpDir, entries: int) -> tuple[str | None, int]:
+        """Slices of TMP_SLICE_S, one at a time for the whole daemon, until the tree is gone, a
+        slice ends for another reason or removes nothing, or TMP_MAX_ENTRIES were walked."""
+        while True:
+            await asyncio.sleep(TMP_SLICE_PAUSE_S)
+            async with self._slice_turn:
+                left, n = await self._tmp_slice(unit, d, self._slice_threads, TMP_SLICE_S)
+            entries += n or 0
+            if not (privatetmp.bound_reached(left) and n):
+                return left, entries
+            if entries >= TMP_MAX_ENTRIES:
+                return f"{left}; given up after {entries} entries in all (refilled as fast as it is removed?)", entries
+
+    async def _tmp_slice(self, unit: str, d: privatetmp.TmpDir, threads: OwnThreads,
+                         budget_s: float) -> tuple[str | None, int | None]:
+        """One call of privatetmp.remove on a thread of its own, waited for at most its budget
+        and a margin: (what is left, the entries it walked)."""
         counted: list[int] = []
         try:
-            left = await self.threads.run(f"{work.unit}'s private tmp",
-                                          lambda: privatetmp.remove(d, deadline_s=TMP_BUDGET_S, counted=counted),
-                                          TMP_BOUND_S)
+            left = await threads.run(f"{unit}'s private tmp",
+                                     lambda: privatetmp.remove(d, deadline_s=budget_s, counted=counted),
+                                     budget_s + 2.5)
         except (TimeoutError, Busy) as exc:
-            log.warning("leftovers not removed", unit=work.unit, private_tmp=d.path, why=str(exc) or (
-                f"not returned in {TMP_BOUND_S:g} s (a mount the kernel does not answer?)"))
+            log.warning("leftovers not removed", unit=unit, private_tmp=d.path, why=str(exc) or (
+                f"not returned in {budget_s + 2.5:g} s (a mount the kernel does not answer?)"))
             left = "its removal did not return"
         return left, (counted[0] if counted else None)
 

@@ -41,6 +41,17 @@ MAX_RECORD_BYTES = 8 << 20  # ~40,000 lines: a rewrite keeps it near the live di
 _NAME_RE = re.compile(r"^omnid-[A-Za-z0-9_.@:-]{1,200}-[0-9a-f]{12}$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.@:-]")
 ENV_KEYS = ("TMPDIR", "TMP", "TEMP")
+# What `remove` says when it stopped at its deadline or entry budget with more to remove: the
+# caller may go on with another slice (omnid.core.cleanup does, off the spawn path).
+BOUND_REACHED = "not fully removed: its removal reached its bound (time or entries)"
+
+
+SWEEP_SLICE_S = 5.0  # a previous daemon's directory: one slice each at start, the rest in the background
+
+
+def bound_reached(left: str | None) -> bool:
+    """Did a `remove` that returned `left` stop only at its bound (more slices would go on)?"""
+    return left is not None and left.endswith(BOUND_REACHED)
 
 
 @dataclass(frozen=True)
@@ -197,14 +208,14 @@ def _remove_tree(pfd: int, name: str, deadline: float, budget: list[int], d: Tmp
     try:
         while stack:
             if time.monotonic() > deadline or budget[0] <= 0:
-                return "not fully removed: its removal reached its bound (time or entries)"
+                return BOUND_REACHED
             parent_fd, dname, dfd = stack[-1]
             descended = False
             with os.scandir(dfd) as it:
-                for entry in it:
+                for entry in it:  # the bound asked first: an entry left is not counted (a next slice counts it)
+                    if budget[0] <= 0 or time.monotonic() > deadline:
+                        return BOUND_REACHED
                     budget[0] -= 1
-                    if budget[0] < 0 or time.monotonic() > deadline:
-                        return "not fully removed: its removal reached its bound (time or entries)"
                     try:
                         if entry.is_dir(follow_symlinks=False):
                             sub = linux.open_same_mount(entry.name, os.O_RDONLY | os.O_DIRECTORY, dfd)
@@ -387,21 +398,25 @@ class Record:
             return []
         return parse_record(raw, str(self.path))
 
-    def sweep(self, previous: list[TmpDir], keep: set[str]) -> list[str]:
+    def sweep(self, previous: list[TmpDir], keep: set[str]) -> tuple[list[str], list[TmpDir]]:
         """Remove what the previous daemon recorded (`previous`, read before this daemon made
-        any) and no longer uses (a re-exec keeps the live units' directories: `keep`).
-        Returns the paths removed."""
-        removed = []
+        any) and no longer uses (a re-exec keeps the live units' directories: `keep`), one
+        slice of `remove` each. Returns (the paths removed, the directories whose slice reached
+        its bound: still proven ours, for the caller to go on with and to record again)."""
+        removed: list[str] = []
+        unfinished: list[TmpDir] = []
         for d in previous:
             if d.path in keep:
                 continue
-            left = remove(d, deadline_s=5.0)
+            left = remove(d, deadline_s=SWEEP_SLICE_S)
             if left is None:
                 removed.append(d.path)
+            elif bound_reached(left):
+                unfinished.append(d)
             else:
                 log.warning("a previous daemon's private tmp directory was not removed", unit=d.unit, why=left)
         # Not rewritten here (a thread; the loop owns `dirs`): the next add or drop rewrites it,
         # and an entry of a removed directory proves nothing to a later daemon (inode gone).
         if removed:
             log.info("removed private tmp directories a previous daemon left", paths=removed)
-        return removed
+        return removed, unfinished

@@ -139,3 +139,42 @@ def test_inherited_environment_follows_a_change_of_os_environ(monkeypatch):
     monkeypatch.delenv("OMNID_TEST_INHERITED")
     assert "OMNID_TEST_INHERITED" not in spawning._inherited()
     assert spawning._inherited()["PATH"].startswith(os.path.dirname(sys.executable))
+
+
+def test_the_daemons_garbage_collector_is_on_once_it_is_up_with_its_start_frozen_out_of_it(daemon_factory, tmp_path):
+    """The cyclic GC is off from the command's first line until the first tier is out and the
+    rest loaded (the start's collections walked the same long-lived objects again and again:
+    first child 117 -> 110 ms with the ldconfig below gone too); a daemon left with it off
+    would grow with every cycle it makes. Read from /metrics, what an operator sees."""
+    from tests.harness import make_stack, wait_for
+
+    d = daemon_factory(make_stack({"w": f'exec = ["{sys.executable}", "-c", "import time; time.sleep(60)"]\n'}))
+
+    def metrics() -> dict[str, float]:
+        _, m = d.http("/metrics")
+        return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in m.splitlines()
+                                         if line.startswith("omnid_daemon_gc"))}
+
+    seen = wait_for(lambda: (m := metrics()).get("omnid_daemon_gc_enabled") == 1 and m, 10,
+                    lambda: f"the GC on; /metrics: {metrics()}; log:\n{d.log()[-2000:]}")
+    assert seen["omnid_daemon_gc_frozen_objects"] > 10_000, seen
+    assert 'omnid_daemon_gc_collections_total{generation="0"}' in seen, seen
+
+
+@pytest.mark.fast
+def test_the_daemons_imports_never_run_a_program(tmp_path):
+    """ctypes.util.find_library("c") ran /sbin/ldconfig in a subprocess: a fork by the daemon
+    (the spawner alone forks) and ~2.5 ms on its way to its first spawn. Every module the
+    daemon loads before its first spawn is imported here with subprocess and os.posix_spawn
+    watched (audit hooks)."""
+    code = ("import sys\nseen = []\n"
+            "sys.addaudithook(lambda ev, a: seen.append((ev, str(a[0])[:80])) "
+            "if ev in ('subprocess.Popen', 'os.posix_spawn', 'os.fork', 'os.exec') else None)\n"
+            "import omnid.daemon.command, omnid.daemon.main, omnid.core.cleanup, omnid.process.ipc\n"
+            "print(seen)\n")
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

@@ -5,6 +5,7 @@ at request time, so a death shows as 503 as soon as the pidfd fired."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import socket
 import time
@@ -357,6 +358,15 @@ class HealthServer:
         rss, threads = _own_rss_and_threads()
         page.gauge("omnid_daemon_rss_bytes", "resident memory of the daemon").add(rss)
         page.gauge("omnid_daemon_threads", "threads of the daemon process").add(threads)
+        # The cyclic GC: off while the daemon starts, on (what the start allocated frozen out of
+        # it) once the first tier is out and the rest loaded (omnid.daemon.main).
+        page.gauge("omnid_daemon_gc_enabled", "1 when the daemon's cyclic garbage collector runs").add(
+            int(gc.isenabled()))
+        page.gauge("omnid_daemon_gc_frozen_objects", "objects of the daemon's start kept out of every collection").add(
+            gc.get_freeze_count())
+        f = page.counter("omnid_daemon_gc_collections_total", "collections of the daemon's cyclic garbage collector")
+        for generation, st in enumerate(gc.get_stats()):
+            f.add(st.get("collections", 0), generation=str(generation))
         page.counter("omnid_invariant_violations_total", "state/kernel disagreements found after transitions").add(
             len(self.sup.invariant_violations))
         c = self.connections

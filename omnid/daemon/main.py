@@ -31,6 +31,7 @@ Why this order (both ways up):
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import socket
@@ -215,6 +216,10 @@ class Daemon(DaemonParts):
         fronts.open_control(self)
         self.start_gpu_watch()
         self._write_state()
+        # On from here (off since the command's first line, omnid.cli.main): what was
+        # allocated so far lives as long as the daemon, out of every collection.
+        gc.freeze()
+        gc.enable()
 
     def _load_handlers(self) -> None:
         """The control commands and the capture store (hang forensics): imported once the

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import ctypes.util
 import os
 import select
 import struct
@@ -72,7 +71,9 @@ FAN_EVENT_INFO_TYPE_DFID_NAME = 2
 _META = struct.Struct("=IBBHQii")  # event_len, vers, reserved, metadata_len, mask, fd, pid
 IPC_RMID = 0
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+# The interpreter already links libc: ctypes.util.find_library("c") ran /sbin/ldconfig in a
+# subprocess (a fork by the daemon, ~2.5 ms on its way to the first spawn) and loaded tempfile.
+_libc = ctypes.CDLL(None, use_errno=True)
 _libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
 _libc.semctl.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
 _libc.shmctl.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]

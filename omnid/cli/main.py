@@ -963,10 +963,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     # The cyclic GC is off while the command's modules load: they allocate objects that live as
-    # long as the process, and the collections they set off walked them again and again (~14
-    # ms of a one-unit daemon's 121 to its first child here). The daemon turns it on once its
-    # first tier is out and the rest is loaded (omnid.daemon.main: frozen first); every other
-    # command once its arguments are read.
+    # long as the process, and the collections they set off walked them again and again (with
+    # an ldconfig fork gone too, a one-unit daemon's first child 117 -> 110 ms here). The daemon
+    # turns it on once its first tier is out and the rest is loaded (omnid.daemon.main: frozen
+    # first); every other command once its arguments are read.
     gc.disable()
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)

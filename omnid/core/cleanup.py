@@ -53,8 +53,9 @@ SETTLE_WAIT_S = 5.0  # a spawn waits at most this long for its predecessor's rem
 IPC_BUDGET_S = 5.0  # the /proc scan that proves nobody holds an object (~1 s for 2,000 processes here)
 TMP_BUDGET_S = 10.0
 # Each part's wait for its thread: its budget is checked between steps, not inside one.
-IPC_BOUND_S = IPC_BUDGET_S + 2.5
-TMP_BOUND_S = TMP_BUDGET_S + 2.5
+STEP_MARGIN_S = 2.5
+IPC_BOUND_S = IPC_BUDGET_S + STEP_MARGIN_S
+TMP_BOUND_S = TMP_BUDGET_S + STEP_MARGIN_S
 REMOVAL_BOUND_S = IPC_BOUND_S + TMP_BOUND_S
 # A tree its first slice could not remove (a compiler's cache of millions of files; 150,000
 # at load 26 here) is not left for good: later slices go on with it, one at a time for the
@@ -501,10 +502,10 @@ class UnitCleanup:
         try:
             left = await threads.run(f"{unit}'s private tmp",
                                      lambda: privatetmp.remove(d, deadline_s=budget_s, counted=counted),
-                                     budget_s + 2.5)
+                                     budget_s + STEP_MARGIN_S)
         except (TimeoutError, Busy) as exc:
             log.warning("leftovers not removed", unit=unit, private_tmp=d.path, why=str(exc) or (
-                f"not returned in {budget_s + 2.5:g} s (a mount the kernel does not answer?)"))
+                f"not returned in {budget_s + STEP_MARGIN_S:g} s (a mount the kernel does not answer?)"))
             left = "its removal did not return"
         return left, (counted[0] if counted else None)
 

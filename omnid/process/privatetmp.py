@@ -44,8 +44,6 @@ ENV_KEYS = ("TMPDIR", "TMP", "TEMP")
 # What `remove` says when it stopped at its deadline or entry budget with more to remove: the
 # caller may go on with another slice (omnid.core.cleanup does, off the spawn path).
 BOUND_REACHED = "not fully removed: its removal reached its bound (time or entries)"
-
-
 SWEEP_SLICE_S = 5.0  # a previous daemon's directory: one slice each at start, the rest in the background
 
 

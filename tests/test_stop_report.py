@@ -385,6 +385,12 @@ def test_a_removal_under_way_is_handed_over_and_done_again_by_the_next_program(t
     assert not os.path.lexists(d.path)
 
 
+def _slices_of(monkeypatch, entries: int) -> None:
+    """Every call of privatetmp.remove walks at most `entries` (its time bound as it is)."""
+    real = privatetmp.remove
+    monkeypatch.setattr(privatetmp, "remove", lambda d, **kw: real(d, **{**kw, "max_entries": entries}))
+
+
 def _fill(path: str, n: int) -> None:
     for i in range(n):
         os.close(os.open(os.path.join(path, f"f{i}"), os.O_CREAT | os.O_WRONLY, 0o600))
@@ -393,11 +399,11 @@ def _fill(path: str, n: int) -> None:
 def test_a_tree_its_first_slice_cannot_remove_is_said_at_once_and_gone_on_with_until_it_is_gone(tmp_path, monkeypatch):
     """Fresh-clone CI at load 26: 150,000 files were not unlinked within the removal's 10 s,
     and the rest (10,000 files) stayed in /tmp for as long as the daemon ran. Slices here of
-    20 ms against 20,000 files: the stop summary gets its answer after the first slice, saying
-    the rest is being removed; later slices go on until the directory is gone, and then the
-    record no longer names it."""
-    monkeypatch.setattr(cleanup, "TMP_BUDGET_S", 0.02)
-    monkeypatch.setattr(cleanup, "TMP_SLICE_S", 0.02)
+    5,000 entries against 20,000 files (an entry bound ends a slice as its deadline does, and
+    whatever the load, as slices of 20 ms did not: at load 26 one removed nothing): the stop
+    summary gets its answer after the first slice, saying the rest is being removed; later
+    slices go on until the directory is gone, and then the record no longer names it."""
+    _slices_of(monkeypatch, 5_000)
     d = privatetmp.create("u", None, None)
     _fill(d.path, 20_000)
 
@@ -410,7 +416,7 @@ def test_a_tree_its_first_slice_cannot_remove_is_said_at_once_and_gone_on_with_u
         with capture_logs() as logs:
             result = await c.gone(rt, rec)
             assert result is not None and os.path.isdir(d.path), (result, logs)
-            assert rec.tmp_left.endswith("the rest is being removed in the background") and rec.tmp_entries > 0, \
+            assert rec.tmp_left.endswith("the rest is being removed in the background") and rec.tmp_entries == 5_000, \
                 vars(rec)
             assert c.due("u") and d.path in c.record.dirs
             await asyncio.wait_for(c._latest["u"].task, 60)
@@ -432,8 +438,7 @@ def test_a_previous_daemons_tree_its_sweep_cannot_remove_at_start_is_recorded_ag
                                                                                                     monkeypatch):
     """Before, a directory the next daemon's sweep did not remove within 5 s was warned about
     and forgotten: its first record rewrite held only its own directories."""
-    monkeypatch.setattr(privatetmp, "SWEEP_SLICE_S", 0.02)
-    monkeypatch.setattr(cleanup, "TMP_SLICE_S", 0.02)
+    _slices_of(monkeypatch, 5_000)
     d = privatetmp.create("u", None, None)
     _fill(d.path, 20_000)
     old = privatetmp.Record(tmp_path)

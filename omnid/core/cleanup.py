@@ -59,11 +59,14 @@ TMP_BOUND_S = TMP_BUDGET_S + STEP_MARGIN_S
 REMOVAL_BOUND_S = IPC_BOUND_S + TMP_BOUND_S
 # A tree its first slice could not remove (a compiler's cache of millions of files; 150,000
 # at load 26 here) is not left for good: later slices go on with it, one at a time for the
-# whole daemon on a thread of their own, a pause between them, until it is gone, a slice
-# removes nothing, or this many entries were walked in all (something refills it).
+# whole daemon on a thread of their own, a pause between them, until it is gone, a slice ends
+# for another reason than its bound, this many entries were walked in all (something refills
+# it), or this many slices in a row removed nothing (a slice's thread that gets no CPU before
+# its deadline removes nothing: seen with 20 ms slices at load 26, so one is not enough).
 TMP_SLICE_S = 5.0
 TMP_SLICE_PAUSE_S = 0.1
 TMP_MAX_ENTRIES = 50_000_000
+TMP_IDLE_SLICES = 10
 MAX_STUCK = 2  # removals or looks not returned before the next are not tried
 HELD_RETRY_S = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8)  # ~25 s of looks at held /dev/shm entries
 
@@ -476,21 +479,26 @@ class UnitCleanup:
         if not handed and await self._remove_if_empty(d):
             return None, None
         left, entries = await self._tmp_slice(work.unit, d, self.threads, TMP_BUDGET_S)
-        if not (privatetmp.bound_reached(left) and entries):
+        if not privatetmp.bound_reached(left):
             return left, entries
-        first_slice_over(entries)
-        return await self._go_on(work.unit, d, entries)
+        first_slice_over(entries or 0)
+        return await self._go_on(work.unit, d, entries or 0)
 
     async def _go_on(self, unit: str, d: privatetmp.TmpDir, entries: int) -> tuple[str | None, int]:
         """Slices of TMP_SLICE_S, one at a time for the whole daemon, until the tree is gone, a
-        slice ends for another reason or removes nothing, or TMP_MAX_ENTRIES were walked."""
+        slice ends for another reason than its bound, TMP_MAX_ENTRIES were walked, or
+        TMP_IDLE_SLICES slices in a row removed nothing."""
+        idle = 0
         while True:
             await asyncio.sleep(TMP_SLICE_PAUSE_S)
             async with self._slice_turn:
                 left, n = await self._tmp_slice(unit, d, self._slice_threads, TMP_SLICE_S)
             entries += n or 0
-            if not (privatetmp.bound_reached(left) and n):
+            idle = 0 if n else idle + 1
+            if not privatetmp.bound_reached(left):
                 return left, entries
+            if idle >= TMP_IDLE_SLICES:
+                return f"{left}; given up after {idle} slices in a row removed nothing", entries
             if entries >= TMP_MAX_ENTRIES:
                 return f"{left}; given up after {entries} entries in all (refilled as fast as it is removed?)", entries
 

@@ -113,24 +113,28 @@ def test_fm37_a_clean_exit_with_150000_files_in_its_tmpdir_is_reported_as_it_hap
     print(f"\nomnid stop took {took:.2f} s:\n{r.stdout}")
     assert r.returncode == 0, seen
     assert not alive(pid), seen
-    assert not os.path.lexists(path), f"{path} outlived the stop; {seen}"
     row = next(line for line in r.stdout.splitlines() if line.startswith("u "))
     assert row.split()[1:4] == ["SIGTERM", row.split()[2], "no"], seen  # UNIT SIGNAL EXIT ESCALATED
     exit_s = float(row.split()[2].rstrip("s"))
     assert exit_s < 0.9, f"the exit took {exit_s} s by the summary; {seen}"
     assert "SIGKILL" not in r.stdout and "UNKILLABLE" not in r.stdout, seen
-    cleanup = [line for line in r.stdout.splitlines() if "cleanup" in line and "private tmp removed" in line]
-    assert len(cleanup) == 1 and f"({N_FILES + 300 + 1} entries)" in cleanup[0], seen
+    # The removal, its own step: done within its first 10 s (quiet: ~1-3 s), or, on a loaded
+    # host (fresh-clone run 22: 143,287 entries in 10 s), said to go on in the background.
+    cleanup = [line for line in r.stdout.splitlines() if "cleanup" in line and "private tmp" in line]
+    assert len(cleanup) == 1 and (f"private tmp removed ({N_FILES + 300 + 1} entries)" in cleanup[0]
+                                  or cleanup[0].endswith("the rest is being removed in the background")), seen
     assert cleanup[0].split()[0] == "u:" and cleanup[0].split()[2].endswith("s:"), seen
     cleanup_s = float(cleanup[0].split()[2].rstrip("s:"))
     assert 0 < cleanup_s <= took, seen
     print(f"exit {exit_s:.3f} s, cleanup {cleanup_s:.3f} s (its own clock), whole stop {took:.2f} s")
+    wait_for(lambda: not os.path.lexists(path), 60, lambda: f"{path} to go; {seen}")
     # What the daemon says it did: no stop timeout, no SIGKILL, no unkillable; the removal, timed.
     said = log_lines(d, "stop timeout: sent SIGKILL", "unkillable processes")
     assert said == [], said
     assert not [e for e in d.log_events() if "timeout" in str(e.get("event")) and e.get("unit") == "u"], seen
-    removed = log_lines(d, "leftovers removed")
-    assert [(e["unit"], e["private_tmp_entries"]) for e in removed] == [("u", N_FILES + 301)], removed
+    removed = wait_for(lambda: log_lines(d, "leftovers removed"), 10, lambda: f"its removal said; {d.log()[-2000:]}")
+    assert [(e["unit"], e["private_tmp_entries"], e["private_tmp_left"]) for e in removed] == \
+        [("u", N_FILES + 301, None)], removed
 
 
 
@@ -304,12 +308,17 @@ def test_the_summary_prints_the_cleanup_on_its_own_line_with_its_own_time():
         print_summary([_summary(cleanup_seconds=3.2141, tmp_entries=150301),
                        _summary(unit="engine", cleanup_seconds=10.0023, tmp_entries=999999,
                                 tmp_left="/tmp/omnid-engine-x: not fully removed: its removal reached its bound"),
-                       _summary(unit="api", cleanup_seconds=0.0002, tmp_entries=None)])
+                       _summary(unit="api", cleanup_seconds=0.0002, tmp_entries=None),
+                       _summary(unit="big", cleanup_seconds=10.021, tmp_entries=143287,
+                                tmp_left="/tmp/omnid-big-x: 143287 entries removed in 10.0 s; "
+                                         "the rest is being removed in the background")])
     lines = out.getvalue().splitlines()
     assert lines[1].split() == ["worker", "SIGTERM", "0.001s", "no", "-", "none"], lines
-    assert lines[4:] == ["worker: cleanup 3.214s: private tmp removed (150301 entries)",
+    assert lines[5:] == ["worker: cleanup 3.214s: private tmp removed (150301 entries)",
                          "engine: cleanup 10.002s: private tmp NOT removed: /tmp/omnid-engine-x: not fully removed: "
-                         "its removal reached its bound"], lines
+                         "its removal reached its bound",
+                         "big: cleanup 10.021s: private tmp still being removed: /tmp/omnid-big-x: 143287 entries "
+                         "removed in 10.0 s; the rest is being removed in the background"], lines
 
 
 def test_a_summary_from_a_daemon_before_the_cleanup_step_prints_as_before():

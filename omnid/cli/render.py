@@ -406,8 +406,13 @@ def cleanup_line(r: dict) -> str:
     or "" when there was no tree to walk (an empty directory goes with one rmdir)."""
     if r.get("cleanup_seconds") is None or not (r.get("tmp_entries") or r.get("tmp_left")):
         return ""
-    what = (f"private tmp NOT removed: {r['tmp_left']}" if r.get("tmp_left")
-            else f"private tmp removed ({r['tmp_entries']} entries)")
+    left = r.get("tmp_left") or ""
+    if left.endswith("the rest is being removed in the background"):  # omnid.core.cleanup's words
+        what = f"private tmp still being removed: {left}"
+    elif left:
+        what = f"private tmp NOT removed: {left}"
+    else:
+        what = f"private tmp removed ({r['tmp_entries']} entries)"
     return f"cleanup {r['cleanup_seconds']:.3f}s: {what}"
 
 

@@ -462,7 +462,7 @@ def test_a_previous_daemons_tree_its_sweep_cannot_remove_at_start_is_recorded_ag
             c.flush_record()  # what a daemon SIGKILLed now leaves: the directory still named
             on_disk = privatetmp.parse_record((tmp_path / privatetmp.RECORD_NAME).read_bytes(), "t")
             assert [x.path for x in on_disk] == [d.path], on_disk
-            await asyncio.wait_for(asyncio.gather(*c._finishing), 60)
+            await asyncio.wait_for(asyncio.gather(*c.dirs.finishing), 60)
         assert not os.path.lexists(d.path)
         assert [e["entries"] for e in logs if e["event"] == "removed a private tmp directory a previous daemon left"] \
             and d.path not in c.record.dirs, logs

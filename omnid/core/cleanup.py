@@ -128,6 +128,115 @@ def unit_ids(spec: Any) -> tuple[int | None, int | None]:
     return (account.uid if account.uid >= 0 else None), (account.gid if account.gid >= 0 else None)
 
 
+class TmpRemovals:
+    """How private tmp directories go, beside a unit's removal (UnitCleanup): the empty ones of
+    the stack's stop in batches on a thread (`batched`), a tree in slices of
+    privatetmp.remove, each bounded; a tree its first slice did not remove, and a previous
+    daemon's the start's sweep did not, gone on with one slice at a time for the whole daemon."""
+
+    def __init__(self, record: privatetmp.Record | None) -> None:
+        self.record = record
+        # The stack's stop (the daemon's end): empty directories are removed in batches on a
+        # thread, not one rmdir at a time on the loop (256 units: 256 rmdirs of 0.3-3 ms in
+        # /tmp here, between the last unit's exit and the daemon's). A restart keeps its one
+        # rmdir on the loop: a thread's hand-off would cost more than it.
+        self.batched = False
+        self._rmdirs: list[tuple[privatetmp.TmpDir, asyncio.Future[bool]]] = []
+        self._rmdir_task: asyncio.Task | None = None
+        self._rmdir_threads = OwnThreads(1, kind="removal")
+        # Later slices of trees a first slice could not remove (TMP_SLICE_S): one at a time.
+        self._slice_threads = OwnThreads(1, kind="removal")
+        self._slice_turn = asyncio.Lock()
+        self.finishing: dict[asyncio.Task, str] = {}  # a previous daemon's trees gone on with: their paths
+
+    def finish_previous(self, d: privatetmp.TmpDir) -> None:
+        """A previous daemon's tree the start's sweep did not remove (recorded again): gone on with."""
+        task = report_crash(asyncio.get_running_loop().create_task(self._finish_previous(d)), "private tmp sweep")
+        self.finishing[task] = d.path
+        task.add_done_callback(lambda t: self.finishing.pop(t, None))
+
+    async def _finish_previous(self, d: privatetmp.TmpDir) -> None:
+        t0 = time.monotonic()
+        log.info("a previous daemon's private tmp directory is large: its removal goes on in the background",
+                 unit=d.unit, path=d.path)
+        left, entries = await self.go_on(d.unit, d, 0)
+        if left is None:
+            if self.record is not None:
+                self.record.drop(d)
+            log.info("removed a private tmp directory a previous daemon left", unit=d.unit, path=d.path,
+                     entries=entries, seconds=round(time.monotonic() - t0, 3))
+        else:
+            log.warning("a previous daemon's private tmp directory was not removed", unit=d.unit, why=left)
+
+    async def slice(self, unit: str, d: privatetmp.TmpDir, threads: OwnThreads,
+                    budget_s: float) -> tuple[str | None, int | None]:
+        """One call of privatetmp.remove on a thread of its own, waited for at most its budget
+        and a margin: (what is left, the entries it walked)."""
+        counted: list[int] = []
+        try:
+            left = await threads.run(f"{unit}'s private tmp",
+                                     lambda: privatetmp.remove(d, deadline_s=budget_s, counted=counted),
+                                     budget_s + STEP_MARGIN_S)
+        except (TimeoutError, Busy) as exc:
+            log.warning("leftovers not removed", unit=unit, private_tmp=d.path, why=str(exc) or (
+                f"not returned in {budget_s + STEP_MARGIN_S:g} s (a mount the kernel does not answer?)"))
+            left = "its removal did not return"
+        return left, (counted[0] if counted else None)
+
+    async def go_on(self, unit: str, d: privatetmp.TmpDir, entries: int) -> tuple[str | None, int]:
+        """Slices of TMP_SLICE_S, one at a time for the whole daemon, until the tree is gone, a
+        slice ends for another reason than its bound, TMP_MAX_ENTRIES were walked, or
+        TMP_IDLE_SLICES slices in a row removed nothing."""
+        idle = 0
+        while True:
+            await asyncio.sleep(TMP_SLICE_PAUSE_S)
+            async with self._slice_turn:
+                left, n = await self.slice(unit, d, self._slice_threads, TMP_SLICE_S)
+            entries += n or 0
+            idle = 0 if n else idle + 1
+            if not privatetmp.bound_reached(left):
+                return left, entries
+            if idle >= TMP_IDLE_SLICES:
+                return f"{left}; given up after {idle} slices in a row removed nothing", entries
+            if entries >= TMP_MAX_ENTRIES:
+                return f"{left}; given up after {entries} entries in all (refilled as fast as it is removed?)", entries
+
+    async def remove_if_empty(self, d: privatetmp.TmpDir) -> bool:
+        """privatetmp.remove_if_empty: at once, or in the stack stop's next batch."""
+        if not self.batched:
+            return privatetmp.remove_if_empty(d)
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._rmdirs.append((d, fut))
+        if self._rmdir_task is None or self._rmdir_task.done():
+            self._rmdir_task = report_crash(asyncio.get_running_loop().create_task(self._rmdir_batches()),
+                                            "private tmp removals")
+        return await fut
+
+    async def _rmdir_batches(self) -> None:
+        """What was queued while the previous batch ran goes as the next batch. A batch that
+        cannot run or return in time leaves each directory to the full removal (False)."""
+        batch: list[tuple[privatetmp.TmpDir, asyncio.Future[bool]]] = []
+        try:
+            while self._rmdirs:
+                batch, self._rmdirs = self._rmdirs, []
+                dirs = [d for d, _ in batch]
+                try:
+                    done = await self._rmdir_threads.run(f"{len(dirs)} empty private tmp directories",
+                                                         lambda: [privatetmp.remove_if_empty(d) for d in dirs],
+                                                         TMP_BUDGET_S)
+                except (TimeoutError, Busy) as exc:
+                    log.warning("empty private tmp directories not removed in a batch; each is removed alone",
+                                count=len(dirs), why=str(exc) or f"not returned in {TMP_BUDGET_S:g} s")
+                    done = [False] * len(dirs)
+                for (_, fut), ok in zip(batch, done):
+                    if not fut.done():
+                        fut.set_result(ok)
+        finally:  # never a removal waiting for good on a batch that ended
+            for _, fut in [*batch, *self._rmdirs]:
+                if not fut.done():
+                    fut.set_result(False)
+
+
 class UnitCleanup:
     def __init__(self, token: str, state_dir: str | None, cache_root: Callable[[], object] | None = None) -> None:
         self.book = ipc.IpcBook(token)
@@ -150,18 +259,7 @@ class UnitCleanup:
         self._last_look = asyncio.Event()  # the daemon stops: every held entry gets its last look now
         self.threads = OwnThreads(MAX_STUCK, kind="removal")
         self._removing: list[_Removing] = []  # removals under way (one per instance)
-        # The stack's stop (the daemon's end): empty directories are removed in batches on a
-        # thread, not one rmdir at a time on the loop (256 units: 256 rmdirs of 0.3-3 ms in
-        # /tmp here, between the last unit's exit and the daemon's). A restart keeps its one
-        # rmdir on the loop: a thread's hand-off would cost more than it.
-        self.batched = False
-        self._rmdirs: list[tuple[privatetmp.TmpDir, asyncio.Future[bool]]] = []
-        self._rmdir_task: asyncio.Task | None = None
-        self._rmdir_threads = OwnThreads(1, kind="removal")
-        # Later slices of trees a first slice could not remove (TMP_SLICE_S): one at a time.
-        self._slice_threads = OwnThreads(1, kind="removal")
-        self._slice_turn = asyncio.Lock()
-        self._finishing: dict[asyncio.Task, str] = {}  # a previous daemon's trees gone on with: their paths
+        self.dirs = TmpRemovals(self.record)  # empty directories in batches, large trees in slices
         self._sysv: ipc.SysvTables | None = None  # the last reading, shared by removals it serves
 
     # ------------------------------------------------------------ daemon life
@@ -187,23 +285,7 @@ class UnitCleanup:
             _, unfinished = await asyncio.to_thread(self.record.sweep, previous, keep)
             for d in unfinished:
                 self.record.add(d)  # still to remove: a later daemon knows it too
-                task = report_crash(asyncio.get_running_loop().create_task(self._finish_previous(d)),
-                                    "private tmp sweep")
-                self._finishing[task] = d.path
-                task.add_done_callback(lambda t: self._finishing.pop(t, None))
-
-    async def _finish_previous(self, d: privatetmp.TmpDir) -> None:
-        t0 = time.monotonic()
-        log.info("a previous daemon's private tmp directory is large: its removal goes on in the background",
-                 unit=d.unit, path=d.path)
-        left, entries = await self._go_on(d.unit, d, 0)
-        if left is None:
-            if self.record is not None:
-                self.record.drop(d)
-            log.info("removed a private tmp directory a previous daemon left", unit=d.unit, path=d.path,
-                     entries=entries, seconds=round(time.monotonic() - t0, 3))
-        else:
-            log.warning("a previous daemon's private tmp directory was not removed", unit=d.unit, why=left)
+                self.dirs.finish_previous(d)
 
     async def settle(self, timeout: float = SETTLE_WAIT_S) -> None:
         """Every removal under way finished or gone to the background (the daemon's end, every
@@ -221,7 +303,7 @@ class UnitCleanup:
         for t in self._held_tasks.values():
             t.cancel()
         going_on = [w.tmp.path for w in self._removing if w.reported.is_set() and w.tmp is not None]
-        going_on += self._finishing.values()
+        going_on += self.dirs.finishing.values()
         if going_on:
             log.warning("private tmp removals not finished at the daemon's end: the next start goes on with them",
                         paths=going_on)
@@ -476,87 +558,19 @@ class UnitCleanup:
         slice did not remove is gone on with in the background (first_slice_over says so)."""
         d = work.tmp
         assert d is not None
-        if not handed and await self._remove_if_empty(d):
+        if not handed and await self.dirs.remove_if_empty(d):
             return None, None
-        left, entries = await self._tmp_slice(work.unit, d, self.threads, TMP_BUDGET_S)
+        left, entries = await self.dirs.slice(work.unit, d, self.threads, TMP_BUDGET_S)
         if not privatetmp.bound_reached(left):
             return left, entries
         first_slice_over(entries or 0)
-        return await self._go_on(work.unit, d, entries or 0)
-
-    async def _go_on(self, unit: str, d: privatetmp.TmpDir, entries: int) -> tuple[str | None, int]:
-        """Slices of TMP_SLICE_S, one at a time for the whole daemon, until the tree is gone, a
-        slice ends for another reason than its bound, TMP_MAX_ENTRIES were walked, or
-        TMP_IDLE_SLICES slices in a row removed nothing."""
-        idle = 0
-        while True:
-            await asyncio.sleep(TMP_SLICE_PAUSE_S)
-            async with self._slice_turn:
-                left, n = await self._tmp_slice(unit, d, self._slice_threads, TMP_SLICE_S)
-            entries += n or 0
-            idle = 0 if n else idle + 1
-            if not privatetmp.bound_reached(left):
-                return left, entries
-            if idle >= TMP_IDLE_SLICES:
-                return f"{left}; given up after {idle} slices in a row removed nothing", entries
-            if entries >= TMP_MAX_ENTRIES:
-                return f"{left}; given up after {entries} entries in all (refilled as fast as it is removed?)", entries
-
-    async def _tmp_slice(self, unit: str, d: privatetmp.TmpDir, threads: OwnThreads,
-                         budget_s: float) -> tuple[str | None, int | None]:
-        """One call of privatetmp.remove on a thread of its own, waited for at most its budget
-        and a margin: (what is left, the entries it walked)."""
-        counted: list[int] = []
-        try:
-            left = await threads.run(f"{unit}'s private tmp",
-                                     lambda: privatetmp.remove(d, deadline_s=budget_s, counted=counted),
-                                     budget_s + STEP_MARGIN_S)
-        except (TimeoutError, Busy) as exc:
-            log.warning("leftovers not removed", unit=unit, private_tmp=d.path, why=str(exc) or (
-                f"not returned in {budget_s + STEP_MARGIN_S:g} s (a mount the kernel does not answer?)"))
-            left = "its removal did not return"
-        return left, (counted[0] if counted else None)
+        return await self.dirs.go_on(work.unit, d, entries or 0)
 
     def _sysv_since(self, since: float) -> ipc.SysvTables:
         """A reading of the System V tables taken at or after `since` (ipc.SysvTables)."""
         if self._sysv is None or self._sysv.taken_at < since:
             self._sysv = ipc.SysvTables.read()
         return self._sysv
-
-    async def _remove_if_empty(self, d: privatetmp.TmpDir) -> bool:
-        """privatetmp.remove_if_empty: at once, or in the stack stop's next batch."""
-        if not self.batched:
-            return privatetmp.remove_if_empty(d)
-        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._rmdirs.append((d, fut))
-        if self._rmdir_task is None or self._rmdir_task.done():
-            self._rmdir_task = report_crash(asyncio.get_running_loop().create_task(self._rmdir_batches()),
-                                            "private tmp removals")
-        return await fut
-
-    async def _rmdir_batches(self) -> None:
-        """What was queued while the previous batch ran goes as the next batch. A batch that
-        cannot run or return in time leaves each directory to the full removal (False)."""
-        batch: list[tuple[privatetmp.TmpDir, asyncio.Future[bool]]] = []
-        try:
-            while self._rmdirs:
-                batch, self._rmdirs = self._rmdirs, []
-                dirs = [d for d, _ in batch]
-                try:
-                    done = await self._rmdir_threads.run(f"{len(dirs)} empty private tmp directories",
-                                                         lambda: [privatetmp.remove_if_empty(d) for d in dirs],
-                                                         TMP_BUDGET_S)
-                except (TimeoutError, Busy) as exc:
-                    log.warning("empty private tmp directories not removed in a batch; each is removed alone",
-                                count=len(dirs), why=str(exc) or f"not returned in {TMP_BUDGET_S:g} s")
-                    done = [False] * len(dirs)
-                for (_, fut), ok in zip(batch, done):
-                    if not fut.done():
-                        fut.set_result(ok)
-        finally:  # never a removal waiting for good on a batch that ended
-            for _, fut in [*batch, *self._rmdirs]:
-                if not fut.done():
-                    fut.set_result(False)
 
     def _look_again(self, u: ipc.UnitIpc) -> None:
         self._held.setdefault(u.unit, []).append(u)

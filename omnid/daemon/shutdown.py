@@ -58,7 +58,7 @@ async def stop_daemon(daemon: DaemonParts, startup_task: asyncio.Task | None) ->
             pass
     t0 = time.monotonic()
     if daemon.cleanup is not None:  # every unit goes: their leftovers in batches, off the loop
-        daemon.cleanup.batched = True
+        daemon.cleanup.dirs.batched = True
     recs = await _stop_units_bounded(daemon)
     if daemon.cleanup is not None:  # removals of failed units' leftovers still under way
         await daemon.cleanup.settle()

@@ -129,6 +129,7 @@ class LongRequest:
     """One completion in a thread of its own: its end (monotonic) and outcome once done."""
 
     def __init__(self, port: int, max_tokens: int) -> None:
+        self.start = time.monotonic()
         self.end: float | None = None
         self.outcome: int | str | None = None
         self._thread = threading.Thread(target=self._run, args=(port, max_tokens), daemon=True, name="long-request")
@@ -156,10 +157,11 @@ class LongRequest:
 
 class KeptInFlight:
     """Long completions kept in flight on `port` by a thread, one per length in `max_tokens`:
-    one that ends is replaced at once. The lengths differ so that they never end together
-    (equal ones, sent together, were batched and finished in one step: a kill at load 15
-    came in that step's last moment and all three were answered 200). After stop() returns
-    none is sent; `sent` holds every one."""
+    one that ends is replaced at once, up to the kill (stop() right after it: one sent from
+    then on is not the killed engine's, and is told apart by its `start`). The lengths differ
+    so that they never end together (equal ones, sent together, were batched and finished in
+    one step: a kill at load 15 came in that step's last moment and all three were answered
+    200). After stop() returns none is sent; `sent` holds every one."""
 
     def __init__(self, port: int, max_tokens: tuple[int, ...]) -> None:
         self.sent: list[LongRequest] = []
@@ -467,13 +469,15 @@ def test_fm40_enginecore_sigkill_on_one_held_socket_fails_no_request_after_it(
         # address, running when the kill comes. They must fail, and fast.
         # On a quiet machine one is done within a second, and at load 20 the test was seen
         # descheduled past both of a pair between seeing them run and the kill: three of
-        # different lengths are kept in flight, each that ends replaced at once, until just
-        # before the kill.
+        # different lengths are kept in flight, each that ends replaced at once, up to the kill
+        # and stopped right after it: stopped just before it (fresh-clone run 24, load ~26), two
+        # had ended unreplaced by the kill, and the third was answered 200 30 ms after it, its
+        # last tokens sent before the engine died: none was left to fail.
         long = KeptInFlight(own, max_tokens=(480, 330, 190))
         wait_for(lambda: _running(own) >= 1, 10, f"long completions running on {victim_unit}", interval=0.02)
-        long.stop()
         t_kill = time.monotonic()
         signal_proc(victim, signal.SIGKILL)
+        long.stop()
         _tree_gone(tree.procs)
         gone = time.monotonic() - t_kill
         try:
@@ -494,7 +498,8 @@ def test_fm40_enginecore_sigkill_on_one_held_socket_fails_no_request_after_it(
         r.join(30)
     # In flight at the kill: the long completions on the victim, and the client's that were.
     before = [(s, e, w) for s, e, w in conn.results if s < t_kill and e > t_kill]
-    doomed = [r for r in long.sent if r.end > t_kill]  # those that ended before the kill were answered
+    # In flight at the kill: sent before it, not ended by it (those that ended before it were answered).
+    doomed = [r for r in long.sent if r.start < t_kill < r.end]
     assert doomed, f"no long completion was in flight at the kill: {[(r.end - t_kill, r.outcome) for r in long.sent]}"
     before += [(t_kill, r.end, r.outcome) for r in doomed]
     # vLLM learns of its engine's death some ms after the kill (seen: 60 ms at load 3, 190 ms

@@ -100,6 +100,11 @@ def test_a_tier_of_spawns_all_start_each_as_asked_and_a_bad_program_fails_alone(
                     # The kernel's view: a child of the spawner, in its own session, holding its own
                     # environment (the batch sends the common part once), named by its pidfd.
                     assert st is not None and st.ppid == run.client.pid and st.sid == sp.pid
+                    # The spawn is answered once the child is in execve (vfork returns when it
+                    # drops the spawner's memory); the new program's environment is laid out a
+                    # moment later: read empty at load ~26 (fresh-clone run 24), so polled.
+                    wait_for(lambda: linux.read_environ_var(sp.pid, "INDEX") is not None, 10,
+                             f"pid {sp.pid}'s environment after its exec")
                     assert linux.read_environ_var(sp.pid, "INDEX") == str(i)
                     assert linux.read_environ_var(sp.pid, "OMNID_UNIT") == "t"
                     assert linux.pidfd_send_signal(sp.pidfd, 0)

@@ -473,13 +473,13 @@ class UnitCleanup:
         t0 = time.monotonic()
 
         def first_slice_over(entries: int) -> None:  # more to remove: said now, gone on with
-            work.result = Removal(time.monotonic() - t0, entries, f"{d.path}: {entries} entries removed in "
-                                  f"{time.monotonic() - t0:.1f} s; the rest is being removed in the background",
-                                  removed, kept)
+            took = time.monotonic() - t0
+            assert d is not None
+            work.result = Removal(took, entries, f"{d.path}: {entries} entries removed in {took:.1f} s; "
+                                  "the rest is being removed in the background", removed, kept)
             work.reported.set()
             log.info("private tmp directory is large: its removal goes on in the background", unit=name,
-                     path=d.path if d is not None else None, entries=entries,
-                     seconds=round(time.monotonic() - t0, 3))
+                     path=d.path, entries=entries, seconds=round(took, 3))
 
         try:
             if after is not None and not after.done():
